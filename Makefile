@@ -1,0 +1,58 @@
+# omniwire: `make run` sets everything up and runs the demo; `make test` sets
+# everything up and runs the whole suite. Only python3 and make are needed.
+
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+# The CPU build of torch (pip finds it on this kind of machine; elsewhere it is
+# downloaded). uv/poetry would fetch a 3 GB CUDA build: setup uses pip only.
+TORCH  ?= torch==2.13.0
+STAMP  := $(VENV)/.omniwire-setup
+EXTRAS := test,bench,mooncake,nixl
+EXAMPLE := examples/omniwire-backend-example
+# Debian libraries `import mooncake.engine` needs. No ibverbs-providers: its
+# libefa makes NIXL processes segfault at exit (see shared/BACKENDS.md).
+DEB_LIBS := libibverbs1 libnl-3-200 libnl-route-3-200
+
+.PHONY: setup run test lint typecheck bench demo-remote clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile $(wildcard $(EXAMPLE)/pyproject.toml)
+	@if [ "$$(id -u)" = 0 ] && ! dpkg -s $(DEB_LIBS) >/dev/null 2>&1; then \
+		echo "== installing $(DEB_LIBS)"; \
+		export DEBIAN_FRONTEND=noninteractive; \
+		apt-get install -y -q --no-install-recommends $(DEB_LIBS) >/dev/null 2>&1 || \
+		{ apt-get update -q >/dev/null && apt-get install -y -q --no-install-recommends $(DEB_LIBS); }; \
+	fi
+	@[ -x $(BIN)/python ] || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q "$(TORCH)"
+	$(BIN)/python -m pip install -q -e ".[$(EXTRAS)]"
+	@if [ -d $(EXAMPLE) ]; then $(BIN)/python -m pip install -q -e $(EXAMPLE); fi
+	@touch $(STAMP)
+
+run: setup
+	OMP_NUM_THREADS=1 $(BIN)/omniwire demo
+
+demo-remote: setup
+	OMP_NUM_THREADS=1 $(BIN)/omniwire demo --remote
+
+lint: setup
+	$(BIN)/ruff check src tests scripts examples
+	$(BIN)/ruff format --check src tests scripts examples
+
+typecheck: setup
+	$(BIN)/mypy
+
+# In `make test` (and so in CI) every engine that can run on a CPU must load:
+# OMNIWIRE_REQUIRE_ENGINES turns "skipped: engine missing" into a failure.
+test: lint typecheck
+	OMNIWIRE_REQUIRE_ENGINES=1 HYPOTHESIS_PROFILE=ci OMP_NUM_THREADS=1 \
+		$(BIN)/python -m pytest
+
+bench: setup
+	OMP_NUM_THREADS=1 $(BIN)/omniwire bench
+
+clean:
+	rm -rf $(VENV) build src/*.egg-info .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -1,0 +1,363 @@
+"""The safe payload codec: a payload's non-tensor part as msgpack, tensors set aside.
+
+``dumps(value)`` walks a payload and returns ``(header, tensors)``: the header is
+msgpack bytes in which every tensor is replaced by its index in ``tensors``.
+``loads(header, tensors)`` rebuilds the value. What the header may hold is fixed
+by specs/wire-v1.md §6:
+
+=========================  ==========================================
+Python value               header encoding
+=========================  ==========================================
+None, bool, str, bytes     msgpack nil / bool / str / bin
+int in [-2**63, 2**64-1]   msgpack int
+float                      msgpack float 64 (NaN bits, ±inf, -0.0 kept)
+list, dict                 msgpack array / map
+tuple                      ext 1: msgpack array of the items
+torch.Tensor               ext 2: uint index into the tensor table
+numpy.ndarray              ext 3: uint index into the tensor table
+registered dataclass or    ext 4: [registered name, {field: value}]
+msgspec.Struct
+anything, with opt-in      ext 5: pickle bytes (see ``allow_pickle``)
+=========================  ==========================================
+
+Dict keys may be None, bool, int, float, str, bytes or tuples of those; a tuple
+key is a plain msgpack array, which a reader always rebuilds as a tuple. The same
+tensor object appearing twice is stored once and comes back as one object.
+Anything else is a ``TypeError`` at the sender naming its path, e.g.
+``payload["a"][2]``. Pickle is refused unless *both* sides opt in.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pickle
+import threading
+from collections.abc import Sequence
+from typing import Any, Final
+
+import msgspec
+import numpy as np
+import torch
+
+from .errors import WireFormatError
+from .wire import MAX_HEADER_DEPTH, MAX_TENSORS
+
+__all__ = [
+    "EXT_NDARRAY",
+    "EXT_PICKLE",
+    "EXT_STRUCT",
+    "EXT_TENSOR",
+    "EXT_TUPLE",
+    "Encoded",
+    "dumps",
+    "loads",
+    "register_type",
+    "registered_types",
+    "unregister_type",
+]
+
+EXT_TUPLE: Final = 1
+EXT_TENSOR: Final = 2
+EXT_NDARRAY: Final = 3
+EXT_STRUCT: Final = 4
+EXT_PICKLE: Final = 5
+
+_I64_MIN: Final = -(2**63)
+_U64_MAX: Final = 2**64 - 1
+_SCALARS: Final = (type(None), bool, str, bytes, float)
+_KEY_SCALARS: Final = (type(None), bool, int, float, str, bytes)
+
+_encoder: Final = msgspec.msgpack.Encoder()
+_plain_decoder: Final = msgspec.msgpack.Decoder()
+
+_registry_lock = threading.Lock()
+_by_name: dict[str, type] = {}
+_by_type: dict[type, str] = {}
+
+
+class Encoded(msgspec.Struct, frozen=True):
+    """What :func:`dumps` returns: the header bytes and the tensors it set aside."""
+
+    header: bytes
+    tensors: list[torch.Tensor]
+    #: For each tensor, where it sat in the payload (for diagnostics).
+    paths: list[str]
+
+
+def register_type(cls: type, name: str | None = None) -> type:
+    """Allow instances of a dataclass or msgspec Struct in payloads.
+
+    Both sides must register the type under the same ``name`` (default:
+    ``"module.QualName"``). Its fields are encoded with this codec, recursively.
+    Usable as a class decorator.
+
+    Raises:
+        TypeError: ``cls`` is neither a dataclass nor a msgspec Struct.
+        ValueError: ``name`` is taken by another class.
+    """
+    if not (dataclasses.is_dataclass(cls) or issubclass(cls, msgspec.Struct)):
+        raise TypeError(f"{cls!r} is neither a dataclass nor a msgspec.Struct")
+    key = name or f"{cls.__module__}.{cls.__qualname__}"
+    with _registry_lock:
+        other = _by_name.get(key)
+        if other is not None and other is not cls:
+            raise ValueError(f"payload type name {key!r} is already registered to {other!r}")
+        _by_name[key] = cls
+        _by_type[cls] = key
+    return cls
+
+
+def unregister_type(cls: type) -> None:
+    """Undo :func:`register_type` (mainly for tests)."""
+    with _registry_lock:
+        key = _by_type.pop(cls, None)
+        if key is not None:
+            _by_name.pop(key, None)
+
+
+def registered_types() -> dict[str, type]:
+    """A copy of the registered name → type table."""
+    with _registry_lock:
+        return dict(_by_name)
+
+
+def _fields(value: Any) -> dict[str, Any]:
+    if isinstance(value, msgspec.Struct):
+        return {f: getattr(value, f) for f in value.__struct_fields__}
+    return {f.name: getattr(value, f.name) for f in dataclasses.fields(value) if f.init}
+
+
+# A path is a chain of (parent, step) pairs, formatted only when an error needs it.
+_Path = tuple[Any, ...]
+
+
+class _Attr(str):
+    """A path step that is an attribute of a registered type, not a key or index."""
+
+
+def _format_path(path: _Path) -> str:
+    steps: list[str] = []
+    while path:
+        path, step = path
+        steps.append(f".{step}" if isinstance(step, _Attr) else f"[{step!r}]")
+    return "payload" + "".join(reversed(steps))
+
+
+class _Dumper:
+    """One walk over one payload. Tensors are memoised by ``id`` so a shared one is sent once."""
+
+    def __init__(self, allow_pickle: bool) -> None:
+        self.allow_pickle = allow_pickle
+        self.tensors: list[torch.Tensor] = []
+        self.paths: list[str] = []
+        self.memo: dict[int, int] = {}
+
+    def _tensor_index(self, key: int, tensor: torch.Tensor, path: _Path) -> int:
+        index = self.memo.get(key)
+        if index is None:
+            if len(self.tensors) >= MAX_TENSORS:
+                raise ValueError(
+                    f"{_format_path(path)}: payload has more than {MAX_TENSORS} tensors"
+                )
+            index = len(self.tensors)
+            self.memo[key] = index
+            self.tensors.append(tensor)
+            self.paths.append(_format_path(path))
+        return index
+
+    def _key(self, key: Any, path: _Path) -> Any:
+        kind = type(key)
+        if kind in _KEY_SCALARS:
+            if kind is int and not _I64_MIN <= key <= _U64_MAX:
+                raise TypeError(f"{_format_path(path)}: dict key {key} does not fit in 64 bits")
+            return key
+        if kind is tuple:  # a msgpack array in key position always decodes as a tuple
+            return tuple(self._key(k, path) for k in key)
+        raise TypeError(
+            f"{_format_path(path)}: dict key of type {kind.__name__} is not supported "
+            "(use None, bool, int, float, str, bytes or a tuple of those)"
+        )
+
+    def walk(self, value: Any, path: _Path, depth: int) -> Any:
+        """Return ``value`` as msgpack-ready data. ``depth`` counts enclosing containers."""
+        kind = type(value)
+        if kind in _SCALARS:
+            return value
+        if kind is int:
+            if not _I64_MIN <= value <= _U64_MAX:
+                raise TypeError(f"{_format_path(path)}: int {value} does not fit in 64 bits")
+            return value
+        if isinstance(value, torch.Tensor):
+            return msgspec.msgpack.Ext(EXT_TENSOR, _encoder.encode(self._tensor(value, path)))
+        if kind is np.ndarray:
+            return msgspec.msgpack.Ext(EXT_NDARRAY, _encoder.encode(self._ndarray(value, path)))
+        inner = depth + 1
+        if inner > MAX_HEADER_DEPTH and kind in (list, dict, tuple):
+            raise ValueError(
+                f"{_format_path(path)}: payload nests deeper than {MAX_HEADER_DEPTH} levels"
+            )
+        if kind is list:
+            return [
+                v if type(v) in _SCALARS else self.walk(v, (path, i), inner)
+                for i, v in enumerate(value)
+            ]
+        if kind is dict:
+            return {
+                self._key(k, path): v if type(v) in _SCALARS else self.walk(v, (path, k), inner)
+                for k, v in value.items()
+            }
+        if kind is tuple:
+            items = [self.walk(v, (path, i), inner) for i, v in enumerate(value)]
+            return msgspec.msgpack.Ext(EXT_TUPLE, _encoder.encode(items))
+        name = _by_type.get(kind)
+        if name is not None:
+            if inner > MAX_HEADER_DEPTH:
+                raise ValueError(
+                    f"{_format_path(path)}: payload nests deeper than {MAX_HEADER_DEPTH} levels"
+                )
+            fields = {f: self.walk(v, (path, _Attr(f)), inner) for f, v in _fields(value).items()}
+            return msgspec.msgpack.Ext(EXT_STRUCT, _encoder.encode([name, fields]))
+        if self.allow_pickle:
+            return msgspec.msgpack.Ext(EXT_PICKLE, pickle.dumps(value, protocol=5))
+        hint = ""
+        if dataclasses.is_dataclass(value) or isinstance(value, msgspec.Struct):
+            hint = " (register it with omniwire.codec.register_type)"
+        elif isinstance(value, np.generic):
+            hint = " (convert numpy scalars with .item())"
+        raise TypeError(
+            f"{_format_path(path)}: values of type {kind.__qualname__} cannot be sent{hint}"
+        )
+
+    def _tensor(self, tensor: torch.Tensor, path: _Path) -> int:
+        if tensor.layout is not torch.strided:
+            raise TypeError(
+                f"{_format_path(path)}: {tensor.layout} tensors are not supported; send dense ones"
+            )
+        if tensor.is_quantized or tensor.device.type == "meta":
+            raise TypeError(f"{_format_path(path)}: quantized and meta tensors are not supported")
+        return self._tensor_index(id(tensor), tensor, path)
+
+    def _ndarray(self, array: np.ndarray, path: _Path) -> int:
+        key = id(array)
+        index = self.memo.get(key)
+        if index is not None:
+            return index
+        if not (array.flags.c_contiguous and array.flags.writeable):
+            array = array.copy(order="C")  # torch.from_numpy needs both
+        try:
+            tensor = torch.from_numpy(array)
+        except TypeError as exc:
+            raise TypeError(
+                f"{_format_path(path)}: numpy dtype {array.dtype} cannot be sent ({exc})"
+            ) from None
+        return self._tensor_index(key, tensor, path)
+
+
+def dumps(value: Any, *, allow_pickle: bool = False) -> Encoded:
+    """Encode ``value`` into a header and the list of tensors it contains.
+
+    Args:
+        value: the payload (see the module docstring for what it may contain).
+        allow_pickle: encode otherwise unsupported objects with pickle. Only for
+            trusted deployments; the receiver must opt in too.
+
+    Raises:
+        TypeError: a value, dict key or int out of range, naming its path.
+        ValueError: nesting deeper than ``MAX_HEADER_DEPTH`` or too many tensors.
+    """
+    dumper = _Dumper(allow_pickle)
+    tree = dumper.walk(value, (), 0)
+    return Encoded(_encoder.encode(tree), dumper.tensors, dumper.paths)
+
+
+class _Loader:
+    def __init__(self, tensors: Sequence[torch.Tensor], allow_pickle: bool) -> None:
+        self.tensors = tensors
+        self.allow_pickle = allow_pickle
+        self.decoder = msgspec.msgpack.Decoder(ext_hook=self.ext)
+
+    def index(self, data: memoryview) -> int:
+        index = _plain_decoder.decode(data)
+        if type(index) is not int or not 0 <= index < len(self.tensors):
+            raise WireFormatError(
+                f"header refers to tensor {index!r}; the table has {len(self.tensors)}"
+            )
+        return index
+
+    def ext(self, code: int, data: memoryview) -> Any:
+        if code == EXT_TUPLE:
+            items = self.decoder.decode(data)
+            if type(items) is not list:
+                raise WireFormatError("tuple extension does not hold an array")
+            return tuple(items)
+        if code == EXT_TENSOR:
+            return self.tensors[self.index(data)]
+        if code == EXT_NDARRAY:
+            tensor = self.tensors[self.index(data)]
+            if tensor.device.type != "cpu":
+                tensor = tensor.cpu()
+            return tensor.numpy()
+        if code == EXT_STRUCT:
+            return self.struct(self.decoder.decode(data))
+        if code == EXT_PICKLE:
+            if not self.allow_pickle:
+                raise WireFormatError(
+                    "payload contains a pickled object and this receiver did not opt in "
+                    "(allow_pickle=False); it was not unpickled"
+                )
+            return pickle.loads(data)  # allow_pickle: explicit opt-in, trusted peers only
+        raise WireFormatError(f"unknown header extension type {code}")
+
+    def struct(self, item: Any) -> Any:
+        if type(item) is not list or len(item) != 2 or type(item[1]) is not dict:
+            raise WireFormatError("registered-type extension is not [name, {fields}]")
+        name, fields = item
+        cls = _by_name.get(name) if type(name) is str else None
+        if cls is None:
+            raise WireFormatError(f"payload type {name!r} is not registered on this receiver")
+        try:
+            return cls(**fields)
+        except Exception as exc:
+            raise WireFormatError(f"cannot rebuild {name!r}: {exc}") from None
+
+
+def _depth(value: Any) -> int:
+    """Nesting depth of lists, dicts and tuples (scalars and tensors are depth 0)."""
+    deepest = 0
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        item, level = stack.pop()
+        kind = type(item)
+        if kind is list or kind is tuple:
+            deepest = max(deepest, level)
+            stack.extend((v, level + 1) for v in item if type(v) in (list, dict, tuple))
+        elif kind is dict:
+            deepest = max(deepest, level)
+            stack.extend((v, level + 1) for v in item.values() if type(v) in (list, dict, tuple))
+        elif dataclasses.is_dataclass(item) or isinstance(item, msgspec.Struct):
+            stack.extend((v, level + 1) for v in _fields(item).values())
+    return deepest
+
+
+def loads(
+    header: bytes | memoryview, tensors: Sequence[torch.Tensor], *, allow_pickle: bool = False
+) -> Any:
+    """Rebuild a payload from its header and tensor table.
+
+    Raises:
+        WireFormatError: malformed header, a tensor index outside the table, an
+            unregistered type, nesting deeper than ``MAX_HEADER_DEPTH``, or a
+            pickled object while ``allow_pickle`` is False (never unpickled).
+    """
+    loader = _Loader(tensors, allow_pickle)
+    try:
+        value = loader.decoder.decode(header)
+    except WireFormatError:
+        raise
+    except RecursionError:
+        raise WireFormatError("payload header is nested too deeply") from None
+    except Exception as exc:
+        raise WireFormatError(f"malformed payload header: {exc}") from None
+    if _depth(value) > MAX_HEADER_DEPTH:
+        raise WireFormatError(f"payload header nests deeper than {MAX_HEADER_DEPTH} levels")
+    return value

@@ -1,0 +1,116 @@
+"""Every exception omniwire raises derives from :class:`OmniwireError`.
+
+Errors say whose fault they are, the way h11 does: a ``Remote...`` error means a
+peer sent something wrong, a ``Local...`` error means this process asked for
+something impossible.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "AckTimeoutError",
+    "BackendClosedError",
+    "BackendError",
+    "BackendUnavailableError",
+    "EndpointClosedError",
+    "HandshakeError",
+    "LocalProtocolError",
+    "NoRouteError",
+    "OmniwireError",
+    "PeerLostError",
+    "ProtocolError",
+    "RemoteProtocolError",
+    "RequestAbortedError",
+    "ShmFullError",
+    "UnsupportedVersionError",
+    "WireFormatError",
+]
+
+
+class OmniwireError(Exception):
+    """Root of every error omniwire raises."""
+
+
+class WireFormatError(OmniwireError, ValueError):
+    """Bytes that are not a valid omniwire frame, message or payload header.
+
+    Raised by :func:`omniwire.wire.decode` and :func:`omniwire.codec.loads` for any
+    malformed, truncated, oversized, wrong-type or wrong-version input. The message
+    says what was wrong and, where it can, at which field.
+    """
+
+
+class UnsupportedVersionError(WireFormatError):
+    """A frame or peer uses a wire major version this reader does not speak."""
+
+    def __init__(self, message: str, *, major: int, minor: int) -> None:
+        super().__init__(message)
+        self.major = major
+        self.minor = minor
+
+
+class ProtocolError(OmniwireError):
+    """A message that is well-formed but illegal in the current state."""
+
+
+class RemoteProtocolError(ProtocolError):
+    """The peer broke the protocol (e.g. an ACK for an object it was never sent)."""
+
+
+class LocalProtocolError(ProtocolError):
+    """This process tried something the protocol forbids (e.g. data before Hello)."""
+
+
+class BackendError(OmniwireError):
+    """A data-plane backend failed to move bytes (engine error, bad reference)."""
+
+
+class BackendUnavailableError(BackendError):
+    """A backend cannot run here; ``reason`` says why and ``hint`` how to fix it."""
+
+    def __init__(self, name: str, reason: str, hint: str = "") -> None:
+        text = f"backend {name!r} is not available: {reason}"
+        if hint:
+            text += f". {hint}"
+        super().__init__(text)
+        self.name = name
+        self.reason = reason
+        self.hint = hint
+
+
+class BackendClosedError(BackendError):
+    """The backend was closed; no further transfers are possible."""
+
+
+class ShmFullError(BackendError, MemoryError):
+    """``/dev/shm`` has no room for a segment of the size needed."""
+
+
+class NoRouteError(OmniwireError):
+    """A routing policy found no backend for an edge; lists each candidate's rejection."""
+
+    def __init__(self, message: str, rejected: tuple[tuple[str, str], ...] = ()) -> None:
+        if rejected:
+            message += "; " + "; ".join(f"{name}: {why}" for name, why in rejected)
+        super().__init__(message)
+        self.rejected = rejected
+
+
+class HandshakeError(OmniwireError):
+    """A peer did not complete the Hello exchange, or was refused."""
+
+
+class PeerLostError(OmniwireError):
+    """A peer died, restarted or disconnected while transfers to it were in flight."""
+
+
+class AckTimeoutError(OmniwireError, TimeoutError):
+    """A peer did not acknowledge an object within the endpoint's ACK timeout."""
+
+
+class RequestAbortedError(OmniwireError):
+    """The request was aborted (locally or by a peer) before the transfer finished."""
+
+
+class EndpointClosedError(OmniwireError):
+    """The endpoint is closed."""

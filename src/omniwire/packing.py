@@ -1,0 +1,213 @@
+"""Tensor packing: every tensor of a payload at a 64-byte aligned offset of one buffer.
+
+``plan`` lays tensors out (spec §5); ``pack_into`` copies them into a buffer a
+backend hands in — one copy per tensor, straight from the (possibly
+non-contiguous) source, no intermediate ``torch.cat``; ``unpack`` rebuilds them
+as views of a received buffer (zero copy) or as owned copies.
+
+A byte range ``[lo, hi)`` may be packed at a time so that a large payload can be
+announced progressively (spec §4.4): the receiver copies early bytes while the
+sender still fills later ones. ``split_points`` picks ranges that never cut
+through a non-contiguous tensor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Final
+
+import torch
+
+from .errors import WireFormatError
+from .wire import DTYPE_ITEMSIZE, TensorMeta, align_up
+
+__all__ = [
+    "PackPlan",
+    "as_byte_tensor",
+    "dtype_name",
+    "pack_into",
+    "plan",
+    "split_points",
+    "torch_dtype",
+    "unpack",
+]
+
+#: wire name → torch dtype, for the names this torch build knows.
+_TORCH_DTYPES: Final[dict[str, torch.dtype]] = {
+    name: getattr(torch, name) for name in DTYPE_ITEMSIZE if hasattr(torch, name)
+}
+_WIRE_NAMES: Final[dict[torch.dtype, str]] = {d: n for n, d in _TORCH_DTYPES.items()}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The wire name of a torch dtype.
+
+    Raises:
+        TypeError: the dtype has no wire name (quantized, bits, sub-byte shell types).
+    """
+    try:
+        return _WIRE_NAMES[dtype]
+    except KeyError:
+        raise TypeError(f"tensor dtype {dtype} cannot be sent (no wire name)") from None
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a wire name.
+
+    Raises:
+        WireFormatError: the name is not a wire dtype, or this torch lacks it.
+    """
+    try:
+        return _TORCH_DTYPES[name]
+    except KeyError:
+        raise WireFormatError(
+            f"dtype {name!r} is not available in torch {torch.__version__}"
+        ) from None
+
+
+@dataclass(frozen=True)
+class PackPlan:
+    """Where each tensor goes in the packed buffer, and the buffer's length."""
+
+    metas: tuple[TensorMeta, ...]
+    nbytes: int
+
+
+def plan(tensors: Sequence[torch.Tensor], paths: Sequence[str] = ()) -> PackPlan:
+    """Lay ``tensors`` out back to back at 64-byte aligned offsets.
+
+    The length is the end of the last tensor (no trailing padding).
+
+    Raises:
+        TypeError: a tensor's dtype has no wire name.
+    """
+    metas = []
+    offset = 0
+    end = 0
+    for i, t in enumerate(tensors):
+        offset = align_up(end)
+        nbytes = t.numel() * t.element_size()
+        metas.append(
+            TensorMeta(
+                dtype=dtype_name(t.dtype),
+                shape=tuple(t.shape),
+                offset=offset,
+                nbytes=nbytes,
+                device=str(t.device),
+                path=paths[i] if i < len(paths) else "",
+            )
+        )
+        end = offset + nbytes
+    return PackPlan(tuple(metas), end)
+
+
+def as_byte_tensor(buffer: torch.Tensor | memoryview | bytearray) -> torch.Tensor:
+    """View a writable buffer (or a uint8 tensor) as a 1-D uint8 tensor, without copying."""
+    if isinstance(buffer, torch.Tensor):
+        if buffer.dtype is not torch.uint8 or buffer.dim() != 1 or not buffer.is_contiguous():
+            raise TypeError("destination tensor must be a contiguous 1-D uint8 tensor")
+        return buffer
+    if len(buffer) == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    return torch.frombuffer(buffer, dtype=torch.uint8)
+
+
+def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
+    """The bytes of a contiguous tensor as a 1-D uint8 view."""
+    flat = t.reshape(-1)
+    return (
+        flat.view(torch.uint8)
+        if flat.numel()
+        else torch.empty(0, dtype=torch.uint8, device=t.device)
+    )
+
+
+def pack_into(
+    dest: torch.Tensor | memoryview | bytearray,
+    tensors: Sequence[torch.Tensor],
+    layout: PackPlan,
+    lo: int = 0,
+    hi: int | None = None,
+) -> None:
+    """Copy the bytes ``[lo, hi)`` of the packed image of ``tensors`` into ``dest``.
+
+    ``dest`` is the whole packed buffer (at least ``layout.nbytes`` long). Tensors
+    wholly inside the range are copied with one strided ``copy_``; a tensor cut by
+    the range must be contiguous (``split_points`` guarantees it) or is made so.
+    Padding bytes are left as they are.
+    """
+    out = as_byte_tensor(dest)
+    hi = layout.nbytes if hi is None else hi
+    if out.numel() < hi:
+        raise ValueError(f"destination holds {out.numel()} bytes; {hi} needed")
+    for t, meta in zip(tensors, layout.metas, strict=True):
+        start, end = meta.offset, meta.offset + meta.nbytes
+        if end <= lo or start >= hi or meta.nbytes == 0:
+            continue
+        if lo <= start and end <= hi:
+            target = out[start:end].view(t.dtype).view(t.shape)
+            target.copy_(t.detach())
+            continue
+        a, b = max(lo, start), min(hi, end)
+        src = t.detach()
+        if not src.is_contiguous():
+            src = src.contiguous()
+        out[a:b].copy_(_flat_bytes(src)[a - start : b - start])
+
+
+def split_points(tensors: Sequence[torch.Tensor], layout: PackPlan, chunk: int) -> list[int]:
+    """Increasing byte offsets ending at ``layout.nbytes``, about ``chunk`` apart.
+
+    A cut falls inside a tensor only if that tensor is contiguous, so every range
+    can be packed without an extra copy.
+    """
+    if chunk <= 0 or layout.nbytes <= chunk:
+        return [layout.nbytes]
+    points: list[int] = []
+    last = 0
+    for t, meta in zip(tensors, layout.metas, strict=True):
+        end = meta.offset + meta.nbytes
+        if t.is_contiguous():
+            while last + chunk < end:
+                last += chunk
+                points.append(last)
+        if end - last >= chunk:
+            last = end
+            points.append(end)
+    if not points or points[-1] != layout.nbytes:
+        points.append(layout.nbytes)
+    return points
+
+
+def unpack(
+    buffer: torch.Tensor | memoryview | bytearray,
+    metas: Sequence[TensorMeta],
+    *,
+    copy: bool,
+) -> list[torch.Tensor]:
+    """Rebuild tensors from a packed buffer.
+
+    Args:
+        buffer: the packed bytes (a 1-D uint8 tensor, or a writable buffer).
+        metas: the tensor table.
+        copy: return owned tensors (True) or views of ``buffer`` (False), which are
+            valid only while the buffer is.
+
+    Raises:
+        WireFormatError: a tensor lies outside the buffer or names an unknown dtype.
+    """
+    base = as_byte_tensor(buffer)
+    size = base.numel()
+    out = []
+    for meta in metas:
+        end = meta.offset + meta.nbytes
+        if end > size:
+            raise WireFormatError(
+                f"tensor {meta.path or meta.dtype} spans [{meta.offset}, {end}) "
+                f"beyond the {size}-byte buffer"
+            )
+        dtype = torch_dtype(meta.dtype)
+        view = base[meta.offset : end].view(dtype).view(meta.shape)
+        out.append(view.clone() if copy else view)
+    return out

@@ -1,0 +1,1 @@
+"""Test support for omniwire and for third-party backends: strategies and conformance."""

@@ -1,0 +1,1 @@
+"""pytest plugin entry point (registered as ``pytest11``); fixtures live here."""

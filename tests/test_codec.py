@@ -1,0 +1,197 @@
+"""The safe payload codec: round trips, refusals, pickle opt-in, registered types."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pickle
+from typing import Any
+
+import msgspec
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+
+from omniwire import codec, packing
+from omniwire.errors import WireFormatError
+from omniwire.testing.strategies import assert_payload_equal, payloads
+
+
+def _round_trip(value: Any, *, copy: bool = True) -> Any:
+    enc = codec.dumps(value)
+    layout = packing.plan(enc.tensors, enc.paths)
+    buf = bytearray(layout.nbytes)
+    packing.pack_into(buf, enc.tensors, layout)
+    tensors = packing.unpack(buf, layout.metas, copy=copy)
+    return codec.loads(enc.header, tensors)
+
+
+@given(payloads())
+def test_every_payload_round_trips_bit_exactly(value: Any) -> None:
+    assert_payload_equal(value, _round_trip(value))
+
+
+@given(payloads(max_leaves=6))
+def test_zero_copy_unpack_round_trips(value: Any) -> None:
+    assert_payload_equal(value, _round_trip(value, copy=False))
+
+
+def test_containers_kept_distinct_and_shared_tensor_stays_shared() -> None:
+    t = torch.arange(4.0)
+    value = {"list": [1, t], "tuple": (1, t), (2, "k"): t, "nested": [(t,)]}
+    enc = codec.dumps(value)
+    assert len(enc.tensors) == 1
+    out = _round_trip(value)
+    assert type(out["list"]) is list and type(out["tuple"]) is tuple
+    assert out["list"][1] is out["tuple"][1] is out[(2, "k")] is out["nested"][0][0]
+
+
+def test_floats_keep_their_bits() -> None:
+    value = [float("nan"), float("inf"), float("-inf"), -0.0, 0.0, 5e-324]
+    assert_payload_equal(value, _round_trip(value))
+
+
+def test_numpy_arrays_come_back_as_numpy() -> None:
+    a = np.arange(12, dtype=np.int32).reshape(3, 4)[:, ::2]  # non-contiguous
+    out = _round_trip({"a": a})
+    assert isinstance(out["a"], np.ndarray)
+    np.testing.assert_array_equal(out["a"], a)
+
+
+@pytest.mark.parametrize(
+    ("value", "path"),
+    [
+        ({"a": [1, 2, {3}]}, r"payload\['a'\]\[2\]: values of type set"),
+        ({"a": [1, 2, 2**64]}, r"payload\['a'\]\[2\]: int .* 64 bits"),
+        ({"a": [-(2**63) - 1]}, r"payload\['a'\]\[0\]"),
+        ([object()], r"payload\[0\]: values of type object"),
+        ({frozenset(): 1}, r"dict key of type frozenset"),
+        ({"x": np.float32(1.0)}, r"payload\['x'\].*\.item\(\)"),
+        ({"x": bytearray(b"1")}, r"payload\['x'\]: values of type bytearray"),
+    ],
+)
+def test_unsupported_values_name_their_path(value: Any, path: str) -> None:
+    with pytest.raises(TypeError, match=path):
+        codec.dumps(value)
+
+
+def test_nesting_limit_both_sides() -> None:
+    deep: list[Any] = []
+    cur = deep
+    for _ in range(63):
+        nxt: list[Any] = []
+        cur.append(nxt)
+        cur = nxt
+    assert _round_trip(deep) == deep  # depth 64 is the limit
+    cur.append([])
+    with pytest.raises(ValueError, match="deeper than 64"):
+        codec.dumps(deep)
+    header = b"\x91" * 70 + b"\x90"
+    with pytest.raises(WireFormatError, match="deeper than 64"):
+        codec.loads(header, [])
+
+
+@dataclasses.dataclass
+class Point:
+    x: int
+    label: str
+    data: torch.Tensor
+
+
+class Config(msgspec.Struct):
+    name: str
+    sizes: tuple[int, ...]
+
+
+def test_registered_types_round_trip_and_unregistered_are_refused() -> None:
+    value = {"p": Point(1, "a", torch.ones(2)), "c": Config("m", (1, 2))}
+    with pytest.raises(TypeError, match="register_type"):
+        codec.dumps(value)
+    codec.register_type(Point)
+    codec.register_type(Config, name="tests.Config")
+    try:
+        out = _round_trip(value)
+        assert isinstance(out["p"], Point) and out["p"].label == "a"
+        assert torch.equal(out["p"].data, torch.ones(2))
+        assert out["c"] == Config("m", (1, 2))
+        header = codec.dumps(value).header
+    finally:
+        codec.unregister_type(Point)
+        codec.unregister_type(Config)
+    with pytest.raises(WireFormatError, match="not registered"):
+        codec.loads(header, [torch.ones(2)])
+
+
+def test_register_type_refuses_plain_classes_and_name_clashes() -> None:
+    with pytest.raises(TypeError):
+        codec.register_type(object)
+
+    @dataclasses.dataclass
+    class A:
+        x: int
+
+    @dataclasses.dataclass
+    class B:
+        x: int
+
+    codec.register_type(A, name="clash")
+    try:
+        with pytest.raises(ValueError, match="already registered"):
+            codec.register_type(B, name="clash")
+    finally:
+        codec.unregister_type(A)
+
+
+class _Bomb:
+    """Unpickling this would create a file: the test checks it never happens."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self) -> Any:
+        return (open, (self.path, "w"))
+
+
+def test_pickle_needs_opt_in_on_both_sides(tmp_path: Any) -> None:
+    marker = tmp_path / "executed"
+    with pytest.raises(TypeError):
+        codec.dumps({"x": _Bomb(str(marker))})
+    enc = codec.dumps({"x": _Bomb(str(marker))}, allow_pickle=True)
+    with pytest.raises(WireFormatError, match="did not opt in"):
+        codec.loads(enc.header, [])
+    assert not marker.exists()
+    ok = codec.dumps({"x": complex(1, 2)}, allow_pickle=True)
+    assert codec.loads(ok.header, [], allow_pickle=True) == {"x": complex(1, 2)}
+
+
+def test_smuggled_pickle_bytes_are_just_bytes(tmp_path: Any) -> None:
+    marker = tmp_path / "executed"
+    blob = pickle.dumps(_Bomb(str(marker)))
+    # As a bytes value it is data, never executed.
+    assert _round_trip({"b": blob}) == {"b": blob}
+    # As raw header bytes it is malformed msgpack (or a harmless value), never unpickled.
+    try:
+        codec.loads(blob, [])
+    except WireFormatError:
+        pass
+    # Inside an ext of an unknown type.
+    with pytest.raises(WireFormatError, match="extension type 99"):
+        codec.loads(msgspec.msgpack.encode(msgspec.msgpack.Ext(99, blob)), [])
+    assert not marker.exists()
+    assert not os.path.exists(str(marker))
+
+
+@pytest.mark.parametrize(
+    ("header", "match"),
+    [
+        (b"\xc1", "malformed"),
+        (msgspec.msgpack.encode(msgspec.msgpack.Ext(codec.EXT_TENSOR, b"\x05")), "tensor 5"),
+        (msgspec.msgpack.encode(msgspec.msgpack.Ext(codec.EXT_TENSOR, b"\xa1x")), "tensor 'x'"),
+        (msgspec.msgpack.encode(msgspec.msgpack.Ext(codec.EXT_TUPLE, b"\x01")), "array"),
+        (msgspec.msgpack.encode(msgspec.msgpack.Ext(codec.EXT_STRUCT, b"\x01")), "name"),
+    ],
+)
+def test_malformed_headers(header: bytes, match: str) -> None:
+    with pytest.raises(WireFormatError, match=match):
+        codec.loads(header, [])

@@ -1,0 +1,268 @@
+"""Wire messages: round trips, validation, versions, the per-peer state table."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import omniwire
+from omniwire import wire
+from omniwire.errors import (
+    LocalProtocolError,
+    RemoteProtocolError,
+    UnsupportedVersionError,
+    WireFormatError,
+)
+from wire_strategies import acks, data_readies, hellos, messages
+
+
+def test_public_version_names() -> None:
+    assert omniwire.WIRE_VERSION == (1, 0)
+    assert issubclass(omniwire.WireFormatError, omniwire.OmniwireError)
+    assert issubclass(UnsupportedVersionError, WireFormatError)
+
+
+@given(messages)
+def test_every_message_round_trips(msg: wire.Message) -> None:
+    frame = wire.encode(msg)
+    assert frame[:4] == b"OWIR"
+    assert frame[4:6] == bytes([1, 0])
+    assert wire.decode(frame) == msg
+    assert wire.encode(wire.decode(frame)) == frame
+
+
+def _hello(**overrides: object) -> wire.HelloMessage:
+    fields: dict[str, object] = dict(
+        endpoint="a",
+        wire_min=(1, 0),
+        wire_max=(1, 0),
+        host_id="h",
+        pid=1,
+        process_token="t",
+        instance=7,
+        address="ipc:///tmp/a",
+    )
+    fields.update(overrides)
+    return wire.HelloMessage(**fields)  # type: ignore[arg-type]
+
+
+def test_unknown_major_is_refused_with_its_number() -> None:
+    frame = wire.encode(_hello(), version=(2, 0))
+    with pytest.raises(UnsupportedVersionError, match=r"wire version 2\.0 is not supported") as e:
+        wire.decode(frame)
+    assert (e.value.major, e.value.minor) == (2, 0)
+
+
+def test_newer_minor_with_unknown_fields_is_read() -> None:
+    body = msgspec.msgpack.encode(
+        {"type": "abort", "request_id": "r", "from_stage": "s", "reason": "", "future": [1, 2]}
+    )
+    frame = b"OWIR" + bytes([1, 9, 0, 0]) + body
+    assert wire.decode(frame) == wire.AbortMessage(request_id="r", from_stage="s")
+
+
+def test_unknown_message_type_is_rejected() -> None:
+    frame = b"OWIR\x01\x00\x00\x00" + msgspec.msgpack.encode({"type": "gossip"})
+    with pytest.raises(WireFormatError, match="gossip"):
+        wire.decode(frame)
+
+
+@pytest.mark.parametrize(
+    ("frame", "match"),
+    [
+        (b"", "prefix"),
+        (b"OWI", "prefix"),
+        (b"XXXX\x01\x00\x00\x00\x80", "magic"),
+        (b"OWIR\x01\x00\x00\x00", "malformed"),
+        (b"OWIR\x01\x00\x00\x00\xc1", "malformed"),
+        (b"OWIR\x01\x00\x00\x00" + b"\x91" * 5000 + b"\x90", "nested too deeply|invalid message"),
+    ],
+)
+def test_malformed_frames(frame: bytes, match: str) -> None:
+    with pytest.raises(WireFormatError, match=match):
+        wire.decode(frame)
+
+
+def test_oversized_frame_rejected_both_ways() -> None:
+    big = wire.DataReadyMessage(
+        request_id="r",
+        from_stage="a",
+        to_stage="b",
+        error=None,
+        is_done=True,
+        metadata=bytes(wire.MAX_FRAME_SIZE),
+    )
+    with pytest.raises(WireFormatError, match="limit"):
+        wire.encode(big)
+    with pytest.raises(WireFormatError, match="limit"):
+        wire.decode(b"OWIR\x01\x00\x00\x00" + bytes(wire.MAX_FRAME_SIZE))
+
+
+@pytest.mark.parametrize(
+    ("build", "match"),
+    [
+        (lambda: wire.TensorMeta(dtype="float7", shape=(1,), offset=0, nbytes=1), "float7"),
+        (lambda: wire.TensorMeta(dtype="float32", shape=(2,), offset=0, nbytes=4), "needs 8"),
+        (lambda: wire.TensorMeta(dtype="int8", shape=(-1,), offset=0, nbytes=0), "negative"),
+        (lambda: wire.TensorMeta(dtype="int8", shape=(1,), offset=-1, nbytes=1), "offset"),
+        (
+            lambda: wire.DataRef(
+                object_id=1,
+                kind="payload",
+                backend="shm",
+                layout="packed",
+                ref=wire.BackendRef(backend="shm", length=10),
+                tensors=(wire.TensorMeta(dtype="int8", shape=(4,), offset=8, nbytes=4),),
+            ),
+            "aligned",
+        ),
+        (
+            lambda: wire.DataRef(
+                object_id=1,
+                kind="payload",
+                backend="shm",
+                layout="packed",
+                ref=wire.BackendRef(backend="shm", length=10),
+                tensors=(wire.TensorMeta(dtype="int8", shape=(64,), offset=0, nbytes=64),),
+            ),
+            "beyond",
+        ),
+        (
+            lambda: wire.InlineStreamChunkRef(
+                tensors=(wire.TensorMeta(dtype="uint8", shape=(20000,), offset=0, nbytes=20000),),
+                data=bytes(20000),
+            ),
+            "16384",
+        ),
+        (lambda: wire.DataReadyMessage(request_id="r", from_stage="a", to_stage="b"), "no data"),
+        (lambda: _hello(endpoint=""), "endpoint"),
+        (lambda: _hello(wire_min=(2, 0), wire_max=(1, 0)), "wire_min"),
+        (lambda: wire.DataAckMessage(object_id=2**64, from_stage="a", to_stage="b"), "object_id"),
+    ],
+)
+def test_invalid_messages_cannot_be_built(build: object, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        build()  # type: ignore[operator]
+
+
+def test_inline_limit_counts_tensor_bytes_not_overhead() -> None:
+    metas = tuple(
+        wire.TensorMeta(dtype="uint8", shape=(4096,), offset=i * 4096, nbytes=4096)
+        for i in range(4)
+    )
+    chunk = wire.InlineStreamChunkRef(header=b"x" * 1000, tensors=metas, data=bytes(16384))
+    assert (
+        wire.decode(
+            wire.encode(
+                wire.DataReadyMessage(request_id="r", from_stage="a", to_stage="b", inline=chunk)
+            )
+        ).inline
+        == chunk
+    )  # type: ignore[union-attr]
+
+
+def test_invalid_field_in_a_frame_names_the_field() -> None:
+    body = msgspec.msgpack.encode(
+        {"type": "data_ack", "object_id": -5, "from_stage": "a", "to_stage": "b"}
+    )
+    with pytest.raises(WireFormatError, match="object_id"):
+        wire.decode(b"OWIR\x01\x00\x00\x00" + body)
+    body = msgspec.msgpack.encode(
+        {"type": "data_ack", "object_id": "five", "from_stage": "a", "to_stage": "b"}
+    )
+    with pytest.raises(WireFormatError, match="object_id"):
+        wire.decode(b"OWIR\x01\x00\x00\x00" + body)
+
+
+# -- the state table -------------------------------------------------------------
+
+
+def _session() -> wire.Session:
+    return wire.Session(local_name="b", peer_name="a")
+
+
+def test_data_before_hello_is_a_remote_protocol_error() -> None:
+    s = _session()
+    msg = wire.DataReadyMessage(request_id="r", from_stage="a", to_stage="b", is_done=True)
+    with pytest.raises(RemoteProtocolError, match="before its HelloMessage"):
+        s.check(msg)
+    with pytest.raises(LocalProtocolError):
+        s.announce(wire.OutboundObject(1, "r", 10, 10))
+
+
+def test_hello_outcomes_and_restart_returns_old_objects() -> None:
+    s = _session()
+    outcome, _, _ = s.on_hello(_hello())
+    assert outcome is wire._state.HelloOutcome.NEW
+    s.announce(wire.OutboundObject(1, "r", 10, 10))
+    assert s.on_hello(_hello())[0] is wire._state.HelloOutcome.DUPLICATE
+    outcome, lost_out, _ = s.on_hello(_hello(instance=8))
+    assert outcome is wire._state.HelloOutcome.RESTART
+    assert [o.object_id for o in lost_out] == [1]
+    assert s.outbound == {}
+
+
+def test_hello_with_no_common_major_is_refused() -> None:
+    with pytest.raises(RemoteProtocolError, match=r"speaks wire 2\.0"):
+        _session().on_hello(_hello(wire_min=(2, 0), wire_max=(3, 0)))
+
+
+def test_acks_must_match_objects_in_flight() -> None:
+    s = _session()
+    s.on_hello(_hello())
+    s.announce(wire.OutboundObject(5, "r", 10, 10))
+    ack = wire.DataAckMessage(object_id=5, from_stage="a", to_stage="b")
+    assert s.on_ack(ack).object_id == 5
+    with pytest.raises(RemoteProtocolError, match="not in flight"):
+        s.on_ack(ack)  # duplicate
+    with pytest.raises(RemoteProtocolError, match="addressed to"):
+        s.check(wire.DataAckMessage(object_id=5, from_stage="a", to_stage="c"))
+
+
+def test_progress_must_move_forward_within_length() -> None:
+    s = _session()
+    s.on_hello(_hello())
+    ref = wire.DataRef(
+        object_id=3,
+        kind="payload",
+        backend="shm",
+        layout="packed",
+        ref=wire.BackendRef(backend="shm", length=100),
+        ready=10,
+    )
+    s.on_data_ready(
+        wire.DataReadyMessage(request_id="r", from_stage="a", to_stage="b", data_ref=ref)
+    )
+    prog = wire.DataProgressMessage(object_id=3, from_stage="a", to_stage="b", ready=50)
+    assert s.on_progress(prog).ready == 50
+    for bad in (40, 101):
+        with pytest.raises(RemoteProtocolError, match="moves ready"):
+            s.on_progress(
+                wire.DataProgressMessage(object_id=3, from_stage="a", to_stage="b", ready=bad)
+            )
+    with pytest.raises(RemoteProtocolError, match="unknown object"):
+        s.on_progress(wire.DataProgressMessage(object_id=4, from_stage="a", to_stage="b", ready=1))
+    with pytest.raises(RemoteProtocolError, match="twice"):
+        s.on_data_ready(
+            wire.DataReadyMessage(request_id="r", from_stage="a", to_stage="b", data_ref=ref)
+        )
+
+
+@given(hellos, st.lists(st.one_of(data_readies(), acks), max_size=8))
+def test_state_table_is_total(hello: wire.HelloMessage, msgs: list[wire.Message]) -> None:
+    """Every (state, message) pair either applies or raises a protocol error;
+    an error leaves the state unchanged."""
+    s = wire.Session(local_name="b", peer_name=hello.endpoint)
+    for msg in msgs:
+        before = (s.state, dict(s.inbound), dict(s.outbound))
+        try:
+            if isinstance(msg, wire.DataReadyMessage):
+                s.on_data_ready(msg)
+            else:
+                s.on_ack(msg)  # type: ignore[arg-type]
+        except RemoteProtocolError:
+            assert (s.state, dict(s.inbound), dict(s.outbound)) == before
+    s.on_hello(hello)
+    assert s.state is wire.PeerState.ACTIVE
