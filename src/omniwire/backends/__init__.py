@@ -1,0 +1,31 @@
+"""Data-plane backends. Each module is one backend; the interface is in ``base``.
+
+Backends are found through the ``omniwire.backends`` entry-point group (see
+:mod:`omniwire.registry`); importing this package imports no engine.
+"""
+
+from .base import (
+    Availability,
+    BackendBase,
+    BackendContext,
+    ByteBackend,
+    Capabilities,
+    InboundBuffer,
+    Locality,
+    ObjectBackend,
+    OutboundBuffer,
+    PeerInfo,
+)
+
+__all__ = [
+    "Availability",
+    "BackendBase",
+    "BackendContext",
+    "ByteBackend",
+    "Capabilities",
+    "InboundBuffer",
+    "Locality",
+    "ObjectBackend",
+    "OutboundBuffer",
+    "PeerInfo",
+]

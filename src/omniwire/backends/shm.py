@@ -1,0 +1,429 @@
+"""``shm``: POSIX shared memory between processes of one host.
+
+Each sending endpoint owns one **arena**: a segment in /dev/shm created once
+(space reserved with ``posix_fallocate`` so a full /dev/shm is a clear
+``ShmFullError``, never a SIGBUS), pre-faulted (``MAP_POPULATE``), and carved
+into reusable slots by a buddy allocator. Packing writes straight into a slot;
+the receiver maps the arena once and reads views of the slot. An object that
+does not fit in the free part of the arena gets a dedicated segment, unlinked
+when it is acknowledged.
+
+Ownership (as in ``multiprocessing.shared_memory``, but without its resource
+tracker): the creator owns a segment, holds an exclusive ``flock`` on it for its
+lifetime, and unlinks it exactly once. Readers only map and unmap.
+
+Segments are named ``omniwire-<pid>-<token>-<n>``. A segment whose owner died
+(its pid is gone and its ``flock`` can be taken) is swept by the next endpoint
+that starts, and by the peer that mapped it when that peer closes or sees the
+owner die — so nothing is left in /dev/shm after a SIGKILL.
+
+Hello info (``BackendInfo.info``): msgpack ``{"prefix": "omniwire-<pid>-<token>"}``.
+Reference (``BackendRef.info``): msgpack ``{"segment": str, "offset": u64, "size": u64,
+"dedicated": bool}``; a dedicated segment is unmapped by the reader right after use.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import itertools
+import logging
+import mmap
+import os
+import re
+import secrets
+from typing import ClassVar
+
+import anyio
+import msgspec
+import torch
+
+from ..alloc import BuddyAllocator
+from ..errors import BackendClosedError, BackendError, ShmFullError
+from ..hostinfo import pid_alive
+from .base import (
+    Availability,
+    BackendContext,
+    ByteBackend,
+    Capabilities,
+    InboundBuffer,
+    Locality,
+    OutboundBuffer,
+    PeerInfo,
+)
+
+__all__ = ["Segment", "ShmBackend", "sweep_stale_segments"]
+
+log = logging.getLogger("omniwire.shm")
+
+SHM_DIR = "/dev/shm"
+PREFIX = "omniwire-"
+_NAME = re.compile(r"^omniwire-(\d+)-([0-9a-f]{8,32})-(\d+)$")
+_MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+
+
+class _HelloInfo(msgspec.Struct, frozen=True):
+    prefix: str
+
+
+class _Ref(msgspec.Struct, frozen=True):
+    segment: str
+    offset: int
+    size: int
+    dedicated: bool = False
+
+
+_hello_decoder = msgspec.msgpack.Decoder(_HelloInfo)
+_ref_decoder = msgspec.msgpack.Decoder(_Ref)
+_encoder = msgspec.msgpack.Encoder()
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+class Segment:
+    """One mapped shared-memory segment. ``base`` is a uint8 tensor over all of it."""
+
+    def __init__(self, name: str, size: int, mm: mmap.mmap, fd: int | None) -> None:
+        self.name = name
+        self.size = size
+        self._mm: mmap.mmap | None = mm
+        self._fd = fd  # kept open by the owner: it holds the flock
+        self.base = (
+            torch.frombuffer(mm, dtype=torch.uint8) if size else torch.empty(0, dtype=torch.uint8)
+        )
+        self.unlinked = False
+
+    @classmethod
+    def create(cls, name: str, size: int, directory: str = SHM_DIR) -> Segment:
+        """Create, reserve and pre-fault a segment this process owns.
+
+        Raises:
+            ShmFullError: /dev/shm has no room for ``size`` bytes.
+            BackendError: any other OS error.
+        """
+        path = os.path.join(directory, name)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            try:
+                os.posix_fallocate(fd, 0, size)
+            except OSError as exc:
+                if exc.errno in (errno.ENOSPC, errno.EFBIG, errno.ENOMEM):
+                    free = _free_bytes(directory)
+                    raise ShmFullError(
+                        f"{directory} has no room for a {_mib(size)} shared-memory segment "
+                        f"({_mib(free)} free): enlarge {directory} or lower the shm "
+                        "backend's arena_size"
+                    ) from exc
+                raise
+            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _MAP_POPULATE)
+        except BaseException as exc:
+            os.close(fd)
+            _unlink_quietly(path)
+            if isinstance(exc, OSError):
+                raise BackendError(f"cannot create shared memory {path}: {exc}") from exc
+            raise
+        return cls(name, size, mm, fd)
+
+    @classmethod
+    def attach(cls, name: str, directory: str = SHM_DIR) -> Segment:
+        """Map an existing segment owned by another process.
+
+        Raises:
+            BackendError: it does not exist or cannot be mapped.
+        """
+        path = os.path.join(directory, name)
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except OSError as exc:
+            raise BackendError(f"cannot open shared memory {path}: {exc}") from exc
+        try:
+            size = os.fstat(fd).st_size
+            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _MAP_POPULATE) if size else None
+        except OSError as exc:
+            raise BackendError(f"cannot map shared memory {path}: {exc}") from exc
+        finally:
+            os.close(fd)
+        if mm is None:
+            raise BackendError(f"shared memory {path} is empty")
+        return cls(name, size, mm, None)
+
+    def view(self, offset: int, length: int) -> torch.Tensor:
+        return self.base[offset : offset + length]
+
+    def close(self) -> None:
+        """Unmap (now if no view is alive, else when the last view is collected)."""
+        self.base = torch.empty(0, dtype=torch.uint8)
+        if self._mm is not None:
+            # If zero-copy views are still alive this fails; the GC unmaps later.
+            with contextlib.suppress(BufferError):
+                self._mm.close()
+            self._mm = None
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def unlink(self, directory: str = SHM_DIR) -> None:
+        """Remove the name (owner only, once). Mappings stay valid until closed."""
+        if not self.unlinked:
+            self.unlinked = True
+            _unlink_quietly(os.path.join(directory, self.name))
+
+
+def _free_bytes(directory: str) -> int:
+    try:
+        st = os.statvfs(directory)
+    except OSError:
+        return 0
+    return st.f_bavail * st.f_frsize
+
+
+def _unlink_quietly(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+
+
+def _owner_dead(path: str, pid: int) -> bool:
+    """True if the segment's creator is gone: its pid is dead and nobody holds its lock."""
+    if pid == os.getpid() or pid_alive(pid):
+        return False
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return False  # locked: the owner lives (e.g. in another PID namespace)
+    finally:
+        os.close(fd)
+    return True
+
+
+def sweep_stale_segments(directory: str = SHM_DIR, names: set[str] | None = None) -> list[str]:
+    """Unlink omniwire segments whose owner process is dead. Returns the names removed.
+
+    ``names`` limits the sweep to those segments (a peer's, say); by default every
+    ``omniwire-*`` segment in ``directory`` is checked.
+    """
+    removed: list[str] = []
+    try:
+        candidates = names if names is not None else set(os.listdir(directory))
+    except OSError:
+        return removed
+    for name in candidates:
+        m = _NAME.match(name)
+        if not m:
+            continue
+        path = os.path.join(directory, name)
+        if _owner_dead(path, int(m.group(1))):
+            _unlink_quietly(path)
+            removed.append(name)
+    if removed:
+        log.info("swept %d stale shared-memory segment(s) of dead processes", len(removed))
+    return removed
+
+
+class _Lease:
+    __slots__ = ("dedicated", "offset", "segment")
+
+    def __init__(self, segment: Segment, offset: int, dedicated: bool) -> None:
+        self.segment = segment
+        self.offset = offset
+        self.dedicated = dedicated
+
+
+class ShmBackend(ByteBackend):
+    """Options (``backend_options={"shm": {...}}``): ``arena_size`` (bytes, default
+    64 MiB), ``directory`` (default /dev/shm)."""
+
+    name: ClassVar[str] = "shm"
+    summary: ClassVar[str] = "POSIX shared memory, one pre-faulted arena per sender"
+    capabilities: ClassVar[Capabilities] = Capabilities(
+        devices=frozenset({"cpu"}),
+        localities=frozenset({Locality.SAME_PROCESS, Locality.SAME_HOST}),
+        progressive=True,
+        zero_copy=True,
+        preference=80,
+    )
+
+    def __init__(self, ctx: BackendContext) -> None:
+        super().__init__(ctx)
+        self.arena_size = int(ctx.options.get("arena_size", 64 << 20))
+        self.directory = str(ctx.options.get("directory", SHM_DIR))
+        self.prefix = f"{PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
+        self._seq = itertools.count()
+        self._arena: Segment | None = None
+        self._alloc: BuddyAllocator | None = None
+        self._arena_lock = anyio.Lock()
+        self._dedicated: dict[str, Segment] = {}
+        self._leases: set[_Lease] = set()
+        # receiver side: peer key -> its arena; every segment name we have mapped
+        self._mapped: dict[tuple[str, int], dict[str, Segment]] = {}
+        self._prefixes: dict[tuple[str, int], str] = {}
+        self._open = 0
+        self._closed = False
+        self._warned_dedicated = False
+
+    @classmethod
+    def availability(cls) -> Availability:
+        if not os.path.isdir(SHM_DIR):
+            return Availability.missing(f"{SHM_DIR} does not exist on this system")
+        return Availability.ok()
+
+    async def start(self) -> None:
+        sweep_stale_segments(self.directory)
+
+    def local_info(self) -> bytes:
+        return _encoder.encode(_HelloInfo(self.prefix))
+
+    async def connect(self, peer: PeerInfo) -> None:
+        try:
+            self._prefixes[peer.key] = _hello_decoder.decode(peer.info).prefix
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise BackendError(f"malformed shm hello info from {peer.name!r}: {exc}") from None
+
+    async def _ensure_arena(self) -> None:
+        if self._arena is not None or self.arena_size <= 0:
+            return
+        async with self._arena_lock:
+            if self._arena is None:
+                name = f"{self.prefix}-{next(self._seq)}"
+                arena = await anyio.to_thread.run_sync(
+                    Segment.create, name, self.arena_size, self.directory
+                )
+                self._alloc = BuddyAllocator(arena.size, min_block=4096)
+                self._arena = arena
+
+    # -- sender --------------------------------------------------------------------
+
+    async def allocate(self, peer: PeerInfo, nbytes: int, device: str) -> OutboundBuffer:
+        if self._closed:
+            raise BackendClosedError("shm backend is closed")
+        await self._ensure_arena()
+        offset = self._alloc.allocate(max(nbytes, 1)) if self._alloc is not None else None
+        if offset is not None and self._arena is not None:
+            lease = _Lease(self._arena, offset, dedicated=False)
+        else:
+            if not self._warned_dedicated:
+                self._warned_dedicated = True
+                log.info(
+                    "shm arena (%s) has no free slot for %s: using a dedicated segment; "
+                    "raise backend_options['shm']['arena_size'] if this is common",
+                    _mib(self.arena_size),
+                    _mib(nbytes),
+                )
+            name = f"{self.prefix}-{next(self._seq)}"
+            seg = await anyio.to_thread.run_sync(
+                Segment.create, name, max(nbytes, 1), self.directory
+            )
+            self._dedicated[name] = seg
+            lease = _Lease(seg, 0, dedicated=True)
+        self._leases.add(lease)
+        return OutboundBuffer(peer, nbytes, lease.segment.view(lease.offset, nbytes), lease)
+
+    def describe(self, out: OutboundBuffer) -> bytes:
+        lease: _Lease = out.handle
+        return _encoder.encode(_Ref(lease.segment.name, lease.offset, out.nbytes, lease.dedicated))
+
+    def free(self, out: OutboundBuffer) -> None:
+        lease: _Lease = out.handle
+        if lease not in self._leases:
+            return
+        self._leases.discard(lease)
+        out.buffer = None
+        if lease.dedicated:
+            seg = self._dedicated.pop(lease.segment.name, None)
+            if seg is not None:
+                seg.unlink(self.directory)
+                seg.close()
+        elif self._alloc is not None and not self._closed:
+            self._alloc.free(lease.offset)
+
+    # -- receiver ----------------------------------------------------------------------
+
+    async def open(self, peer: PeerInfo, info: bytes, nbytes: int) -> InboundBuffer:
+        prefix = self._prefixes.get(peer.key)
+        if prefix is None:
+            raise BackendError(f"{peer.name!r} did not announce shm in its Hello")
+        try:
+            ref = _ref_decoder.decode(info)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise BackendError(f"malformed shm reference from {peer.name!r}: {exc}") from None
+        if not _NAME.match(ref.segment) or not ref.segment.startswith(prefix + "-"):
+            raise BackendError(
+                f"shm reference from {peer.name!r} names segment {ref.segment[:80]!r}, "
+                "which is not one of its own"
+            )
+        if ref.size != nbytes or ref.offset < 0:
+            raise BackendError(f"shm reference from {peer.name!r} has size {ref.size} != {nbytes}")
+        segments = self._mapped.setdefault(peer.key, {})
+        seg = segments.get(ref.segment)
+        if seg is None:
+            seg = await anyio.to_thread.run_sync(Segment.attach, ref.segment, self.directory)
+            segments[ref.segment] = seg
+        if ref.offset + ref.size > seg.size:
+            raise BackendError(
+                f"shm reference from {peer.name!r} spans [{ref.offset}, {ref.offset + ref.size}) "
+                f"outside segment {ref.segment} of {seg.size} bytes"
+            )
+        self._open += 1
+        return InboundBuffer(peer, nbytes, seg.view(ref.offset, ref.size), handle=ref)
+
+    def close(self, inb: InboundBuffer) -> None:
+        ref: _Ref | None = inb.handle
+        if ref is None:
+            return
+        inb.handle = inb.buffer = None
+        self._open -= 1
+        if ref.dedicated:  # used once: unmap now (views alive keep it until collected)
+            seg = self._mapped.get(inb.peer.key, {}).pop(ref.segment, None)
+            if seg is not None:
+                seg.close()
+
+    async def disconnect(self, peer: PeerInfo) -> None:
+        for seg in self._mapped.pop(peer.key, {}).values():
+            seg.close()
+        prefix = self._prefixes.pop(peer.key, None)
+        if prefix is not None:  # if the peer died, nobody else will unlink its segments
+            self._sweep_prefix(prefix)
+
+    def _sweep_prefix(self, prefix: str) -> None:
+        try:
+            names = {n for n in os.listdir(self.directory) if n.startswith(prefix + "-")}
+        except OSError:
+            return
+        if names:
+            sweep_stale_segments(self.directory, names)
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for segments in self._mapped.values():
+            for seg in segments.values():
+                seg.close()
+        self._mapped.clear()
+        for prefix in self._prefixes.values():
+            self._sweep_prefix(prefix)
+        self._prefixes.clear()
+        for seg in self._dedicated.values():
+            seg.unlink(self.directory)
+            seg.close()
+        self._dedicated.clear()
+        self._leases.clear()
+        if self._arena is not None:
+            self._arena.unlink(self.directory)
+            self._arena.close()
+            self._arena = None
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "leases": len(self._leases),
+            "open": self._open,
+            "dedicated_segments": len(self._dedicated),
+            "arena_bytes_in_use": self._alloc.bytes_in_use if self._alloc else 0,
+        }

@@ -1,0 +1,336 @@
+"""Routing policies: which backend carries each edge, and why.
+
+A policy is a pure, deterministic function of its inputs::
+
+    policy.select(edge, payload, candidates) -> Route
+
+``candidates`` are the transports both ends of the edge run (plus ``inline``,
+which every endpoint speaks). A policy reads their declared
+:class:`~omniwire.backends.base.Capabilities`, never their names, so a
+third-party backend becomes routable by declaring what it can do. The
+:class:`Route` names the winner, says why, and lists why every other candidate
+lost. Policies are swapped by object (``Endpoint(policy=...)``) or by name
+through the ``omniwire.policies`` entry-point group.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Literal, Protocol, runtime_checkable
+
+from .backends.base import Capabilities, Locality
+from .errors import NoRouteError
+from .wire import INLINE_MAX_TENSOR_BYTES
+
+__all__ = [
+    "INLINE",
+    "Candidate",
+    "DefaultPolicy",
+    "Edge",
+    "PayloadInfo",
+    "PreferenceOrderPolicy",
+    "Route",
+    "RoutingPolicy",
+    "StaticTablePolicy",
+    "StrictDefaultPolicy",
+    "check_fit",
+]
+
+Kind = Literal["payload", "stream_chunk"]
+
+
+@dataclass(frozen=True)
+class Edge:
+    """One direction between two stages, as the sender sees it after the Hellos."""
+
+    src: str
+    dst: str
+    locality: Locality
+    #: Device kinds each end holds tensors on ("cpu", "cuda").
+    src_devices: frozenset[str] = frozenset({"cpu"})
+    dst_devices: frozenset[str] = frozenset({"cpu"})
+    #: Both ends are GPUs of one host that can access each other's memory.
+    gpu_peer_access: bool = False
+
+
+@dataclass(frozen=True)
+class PayloadInfo:
+    """What routing may know about a payload: no values, just its shape."""
+
+    kind: Kind
+    #: Bytes of tensor data (the packed length).
+    nbytes: int
+    #: Device kinds of its tensors; empty when it has none.
+    devices: frozenset[str] = frozenset()
+    tensors: int = 0
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A transport both ends run, with its declared capabilities."""
+
+    name: str
+    capabilities: Capabilities
+    summary: str = ""
+
+
+@dataclass(frozen=True)
+class Route:
+    """A routing decision: the backend, why, and why each other candidate lost."""
+
+    backend: str
+    reason: str
+    rejected: tuple[tuple[str, str], ...] = ()
+    policy: str = ""
+    #: True when the winner does not carry the payload's devices natively
+    #: (e.g. CUDA tensors staged through host memory).
+    fallback: bool = False
+
+    def explain(self) -> str:
+        lines = [f"{self.backend}: {self.reason}"]
+        lines += [f"  not {name}: {why}" for name, why in self.rejected]
+        return "\n".join(lines)
+
+
+@runtime_checkable
+class RoutingPolicy(Protocol):
+    """The protocol every policy implements. ``select`` must be pure and deterministic.
+
+    Raises:
+        NoRouteError: no candidate may carry this edge (listing each rejection).
+    """
+
+    name: str
+
+    def select(
+        self, edge: Edge, payload: PayloadInfo, candidates: Sequence[Candidate]
+    ) -> Route: ...
+
+
+#: Stream chunks of at most 16 KiB of CPU tensor data ride inside the control message.
+INLINE = Candidate(
+    "inline",
+    Capabilities(
+        devices=frozenset({"cpu"}),
+        localities=frozenset(Locality),
+        streaming=True,
+        payloads=False,
+        host_staging=False,
+        max_nbytes=INLINE_MAX_TENSOR_BYTES,
+        preference=90,
+    ),
+    summary="carried inside the control message: no buffer, no ACK",
+)
+
+_WHERE = {
+    Locality.SAME_PROCESS: "same process",
+    Locality.SAME_HOST: "same host",
+    Locality.CROSS_HOST: "another host",
+}
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"
+
+
+def check_fit(c: Candidate, edge: Edge, payload: PayloadInfo) -> str | None:
+    """Why ``c`` cannot carry ``payload`` on ``edge``, or None if it can."""
+    caps = c.capabilities
+    if caps.opt_in:
+        return f"opt-in only: {caps.opt_in}"
+    if edge.locality not in caps.localities:
+        served = ", ".join(_WHERE[loc] for loc in Locality if loc in caps.localities)
+        return f"reaches {served or 'nothing'}, but {edge.dst!r} is on {_WHERE[edge.locality]}"
+    if payload.kind == "stream_chunk" and not caps.streaming:
+        return "does not carry stream chunks"
+    if payload.kind == "payload" and not caps.payloads:
+        return "carries stream chunks only"
+    if caps.max_nbytes is not None and payload.nbytes > caps.max_nbytes:
+        return f"carries at most {_size(caps.max_nbytes)}; this one has {_size(payload.nbytes)}"
+    foreign = payload.devices - caps.devices
+    if foreign and not caps.host_staging:
+        return f"carries {'/'.join(sorted(caps.devices))} tensors only, not {'/'.join(sorted(foreign))}"
+    if caps.needs_gpu_peer_access:
+        if "cuda" not in payload.devices:
+            return "carries CUDA tensors between GPUs; this payload has none"
+        if "cuda" not in edge.dst_devices:
+            return f"{edge.dst!r} is not a GPU stage"
+        if not edge.gpu_peer_access:
+            return f"the GPUs of {edge.src!r} and {edge.dst!r} cannot access each other"
+    return None
+
+
+def _describe(edge: Edge, payload: PayloadInfo) -> str:
+    what = "stream chunk" if payload.kind == "stream_chunk" else "payload"
+    devices = "/".join(sorted(payload.devices)) or "no"
+    return f"{_WHERE[edge.locality]}, {what} of {_size(payload.nbytes)} with {devices} tensors"
+
+
+class DefaultPolicy:
+    """Among the candidates that fit, the highest declared preference wins.
+
+    With the built-ins this gives: same process → local; small CPU stream chunk →
+    inline; CUDA tensors between GPUs of one host with peer access → cuda_ipc;
+    same host → shm; another host → mooncake, else nixl. Opt-in backends (nccl)
+    are only used when an edge is configured for them. The policy is total: every
+    legal edge gets a route. A backend that does not carry the payload's devices
+    natively is used only when nothing else fits (a *fallback*, recorded in the
+    route); ``strict=True`` raises :class:`NoRouteError` instead.
+    """
+
+    def __init__(self, *, strict: bool = False) -> None:
+        self.strict = strict
+        self.name = "strict" if strict else "default"
+
+    def select(self, edge: Edge, payload: PayloadInfo, candidates: Sequence[Candidate]) -> Route:
+        rejected: list[tuple[str, str]] = []
+        fits: list[Candidate] = []
+        for c in candidates:
+            why = check_fit(c, edge, payload)
+            if why is None:
+                fits.append(c)
+            else:
+                rejected.append((c.name, why))
+        native = [c for c in fits if payload.devices <= c.capabilities.devices]
+        staged = [c for c in fits if c not in native]
+        if self.strict:
+            rejected += [(c.name, "would stage tensors through host memory") for c in staged]
+        pool = native or ([] if self.strict else staged)
+        if not pool:
+            raise NoRouteError(
+                f"no backend can carry {_describe(edge, payload)} from {edge.src!r} "
+                f"to {edge.dst!r} (policy {self.name})",
+                tuple(rejected),
+            )
+        best = max(pool, key=lambda c: (c.capabilities.preference, c.name))
+        for c in fits:
+            if c is best or (self.strict and c in staged):
+                continue
+            if c in staged and best in native:
+                rejected.append((c.name, "would stage tensors through host memory"))
+            else:
+                rejected.append(
+                    (
+                        c.name,
+                        f"fits, but preference {c.capabilities.preference} < "
+                        f"{best.capabilities.preference}",
+                    )
+                )
+        fallback = best not in native
+        reason = f"{_describe(edge, payload)}: {best.summary or best.name}"
+        if fallback:
+            reason += " (fallback: tensors staged through host memory)"
+        return Route(best.name, reason, tuple(rejected), self.name, fallback)
+
+
+class StrictDefaultPolicy(DefaultPolicy):
+    """:class:`DefaultPolicy` that raises instead of falling back."""
+
+    def __init__(self) -> None:
+        super().__init__(strict=True)
+
+
+class PreferenceOrderPolicy:
+    """Try backends in a fixed order; the first that fits wins.
+
+    Candidates not in ``order`` are used (by the default policy) only when none
+    of the listed ones fits, unless ``strict`` is set.
+    """
+
+    def __init__(self, order: Sequence[str], *, strict: bool = False) -> None:
+        self.order = tuple(order)
+        self.strict = strict
+        self.name = "preference(" + ">".join(self.order) + ")"
+
+    def select(self, edge: Edge, payload: PayloadInfo, candidates: Sequence[Candidate]) -> Route:
+        by_name = {c.name: c for c in candidates}
+        rejected: list[tuple[str, str]] = []
+        for name in self.order:
+            c = by_name.get(name)
+            if c is None:
+                rejected.append((name, "not run by both ends"))
+                continue
+            why = check_fit(_chosen(c), edge, payload)  # naming an opt-in backend opts in
+            if why is not None:
+                rejected.append((name, why))
+                continue
+            rejected += [
+                (o.name, f"after {name} in the preference order")
+                for o in candidates
+                if o.name != name
+            ]
+            return Route(
+                name,
+                f"{_describe(edge, payload)}: first fit in preference order",
+                tuple(rejected),
+                self.name,
+            )
+        if self.strict:
+            raise NoRouteError(
+                f"no backend in {list(self.order)} can carry {_describe(edge, payload)} "
+                f"to {edge.dst!r}",
+                tuple(rejected),
+            )
+        route = DefaultPolicy().select(edge, payload, candidates)
+        return Route(
+            route.backend,
+            route.reason + " (none of the preferred fit)",
+            tuple(rejected) + route.rejected,
+            self.name,
+            route.fallback,
+        )
+
+
+class StaticTablePolicy:
+    """Fixed backends for chosen edges; everything else goes to ``fallback``.
+
+    Keys, most specific first: ``"src->dst:kind"``, ``"src->dst"``, ``"dst:kind"``,
+    ``"dst"`` (``kind`` is ``payload`` or ``stream_chunk``). A configured backend
+    that cannot carry the edge is a :class:`NoRouteError`, never a silent detour.
+    """
+
+    def __init__(self, table: Mapping[str, str], fallback: RoutingPolicy | None = None) -> None:
+        self.table = dict(table)
+        self.fallback = fallback if fallback is not None else DefaultPolicy()
+        self.name = f"static+{self.fallback.name}"
+
+    def lookup(self, edge: Edge, kind: str) -> tuple[str, str] | None:
+        for key in (
+            f"{edge.src}->{edge.dst}:{kind}",
+            f"{edge.src}->{edge.dst}",
+            f"{edge.dst}:{kind}",
+            edge.dst,
+        ):
+            if key in self.table:
+                return key, self.table[key]
+        return None
+
+    def select(self, edge: Edge, payload: PayloadInfo, candidates: Sequence[Candidate]) -> Route:
+        hit = self.lookup(edge, payload.kind)
+        if hit is None:
+            return self.fallback.select(edge, payload, candidates)
+        key, name = hit
+        c = next((c for c in candidates if c.name == name), None)
+        if c is None:
+            raise NoRouteError(
+                f"route {key!r} → {name!r} is configured, but {name!r} is not run by both "
+                f"{edge.src!r} and {edge.dst!r} (they share: {', '.join(x.name for x in candidates)})"
+            )
+        why = check_fit(_chosen(c), edge, payload)
+        if why is not None:
+            raise NoRouteError(f"route {key!r} → {name!r} is configured, but {name} {why}")
+        rejected = tuple(
+            (o.name, f"edge {key!r} is configured for {name}") for o in candidates if o.name != name
+        )
+        return Route(
+            name, f"{_describe(edge, payload)}: configured for edge {key!r}", rejected, self.name
+        )
+
+
+def _chosen(c: Candidate) -> Candidate:
+    """``c`` as explicitly chosen by configuration: its opt-in is satisfied."""
+    return Candidate(c.name, replace(c.capabilities, opt_in=None), c.summary)

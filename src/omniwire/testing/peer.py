@@ -1,0 +1,110 @@
+"""A peer process for tests: ``python -m omniwire.testing.peer --name far --address ...``.
+
+It runs one :class:`~omniwire.Endpoint` and answers every delivery:
+
+- ``echo`` (default): payloads and stream chunks go back to their sender under
+  the same request id and kind; a stream end is answered with a stream end; an
+  error or abort is answered with an ``error`` stream end naming it;
+- ``sink``: takes everything, answers nothing (``--delay`` seconds per delivery
+  makes it a slow consumer).
+
+It prints ``READY <address>`` once listening and exits 0 on SIGTERM or when
+``--exit-after`` deliveries were handled. Used by the conformance suite and the
+multi-process tests; it is also a small example of the Endpoint API.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+from typing import Any
+
+import anyio
+
+from ..endpoint import Endpoint
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m omniwire.testing.peer")
+    p.add_argument("--name", required=True)
+    p.add_argument("--address", required=True)
+    p.add_argument("--peer", action="append", default=[], help="NAME=ADDRESS")
+    p.add_argument("--mode", choices=["echo", "sink"], default="echo")
+    p.add_argument("--backends", default=None, help="comma-separated backend names")
+    p.add_argument("--backend-options", default="{}", help="JSON {backend: {option: value}}")
+    p.add_argument("--routes", default="{}", help="JSON {edge: backend}")
+    p.add_argument("--policy", default=None)
+    p.add_argument("--zero-copy", action="store_true")
+    p.add_argument("--host-id", default=None)
+    p.add_argument("--delay", type=float, default=0.0)
+    p.add_argument("--exit-after", type=int, default=0)
+    p.add_argument("--ack-timeout", type=float, default=30.0)
+    p.add_argument("--allow-pickle", action="store_true")
+    p.add_argument("--auth-key", default=None)
+    return p
+
+
+async def _answer(ep: Endpoint, d: Any) -> None:
+    if d.kind == "payload":
+        await ep.send(d.from_stage, d.payload, request_id=d.request_id, metadata=d.metadata)
+    elif d.kind == "stream_chunk":
+        await ep.stream(d.from_stage, d.payload, request_id=d.request_id, metadata=d.metadata)
+    elif d.kind == "stream_end":
+        await ep.end_stream(d.from_stage, request_id=d.request_id)
+    elif d.kind == "error" and d.from_stage in ep.peer_names():
+        await ep.end_stream(d.from_stage, request_id=d.request_id, error=f"peer saw error: {d.error}")
+
+
+async def run(args: argparse.Namespace) -> int:
+    peers = dict(p.split("=", 1) for p in args.peer)
+    ep = Endpoint(
+        args.name,
+        address=args.address,
+        peers=peers,
+        backends=args.backends.split(",") if args.backends else None,
+        backend_options=json.loads(args.backend_options),
+        routes=json.loads(args.routes) or None,
+        policy=args.policy,
+        zero_copy=args.zero_copy,
+        host_id=args.host_id,
+        ack_timeout=args.ack_timeout,
+        allow_pickle=args.allow_pickle,
+        auth_key=args.auth_key,
+    )
+    handled = 0
+    async with ep:
+        print(f"READY {ep.address}", flush=True)
+        with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            async with anyio.create_task_group() as tg:
+
+                async def stop_on_signal() -> None:
+                    async for _ in signals:
+                        tg.cancel_scope.cancel()
+                        return
+
+                tg.start_soon(stop_on_signal)
+                async for d in ep:
+                    async with d:
+                        if args.delay:
+                            await anyio.sleep(args.delay)
+                        if args.mode == "echo":
+                            try:
+                                await _answer(ep, d)
+                            except Exception as exc:
+                                print(f"answer failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+                    handled += 1
+                    if args.exit_after and handled >= args.exit_after:
+                        tg.cancel_scope.cancel()
+                        break
+    print(f"DONE {handled}", flush=True)
+    return 0
+
+
+def main() -> None:
+    sys.exit(anyio.run(run, _parser().parse_args()))
+
+
+if __name__ == "__main__":
+    main()

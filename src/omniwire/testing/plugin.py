@@ -1,1 +1,0 @@
-"""pytest plugin entry point (registered as ``pytest11``); fixtures live here."""
