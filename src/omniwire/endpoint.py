@@ -117,6 +117,7 @@ class _In:
 
     msg: wire.DataReadyMessage
     progressed: anyio.Event = field(default_factory=anyio.Event)
+    opened: bool = False
 
 
 @dataclass(eq=False)
@@ -359,7 +360,7 @@ class Endpoint:
             return
         self._state = "closing"
         for peer in self._peers.values():
-            self._drop_inbound(peer, "receiver closed", nack=True)
+            self._drop_inbound(peer, "receiver closed")
         for d in self._queue:
             d.release()
             self._give_back_budget(d)
@@ -833,6 +834,8 @@ class Endpoint:
         assert isinstance(backend, ByteBackend)
         length = ref.ref.length
         inb = await backend.open(info, ref.ref.info, length)
+        state: _In = obj.data
+        state.opened = True
         try:
             if ref.layout == "per_tensor":
                 await backend.fetch(inb, 0, length)
@@ -876,8 +879,19 @@ class Endpoint:
         self._queue_event.set()
 
     def _ack(self, peer: _Peer, object_id: int, error: str | None = None) -> None:
-        if peer.session.close_inbound(object_id) is None:
+        obj = peer.session.close_inbound(object_id)
+        if obj is None:
             return  # already acknowledged or dropped
+        state: _In = obj.data
+        ref = state.msg.data_ref
+        if not state.opened and ref is not None:  # refused unopened: let the engine know
+            backend = self._backends.get(ref.backend)
+            info = peer.info.get(ref.backend)
+            if isinstance(backend, ByteBackend) and info is not None:
+                try:
+                    backend.drop(info, ref.ref.info, ref.ref.length)
+                except Exception:
+                    log.exception("%s: %s.drop failed", self.name, ref.backend)
         msg = wire.DataAckMessage(
             object_id=object_id,
             from_stage=self.name,
@@ -1352,13 +1366,10 @@ class Endpoint:
 
     # ------------------------------------------------------------------ failures
 
-    def _drop_inbound(self, peer: _Peer, reason: str, *, nack: bool) -> None:
+    def _drop_inbound(self, peer: _Peer, reason: str) -> None:
         for msg in peer.inbox:
             if msg.data_ref is not None:
-                if nack:
-                    self._nack(peer, msg.data_ref.object_id, reason)
-                else:
-                    peer.session.close_inbound(msg.data_ref.object_id)
+                self._nack(peer, msg.data_ref.object_id, reason)
         peer.inbox.clear()
         if peer.current is not None:
             peer.current[1].cancel()

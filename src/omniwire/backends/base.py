@@ -34,7 +34,7 @@ import contextlib
 import enum
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import anyio
 import torch
@@ -213,6 +213,12 @@ class BackendBase(abc.ABC):
     summary: ClassVar[str] = ""
     #: Shown when the backend is unavailable, e.g. ``pip install "omniwire[mooncake]"``.
     install_hint: ClassVar[str] = ""
+    #: When an Endpoint runs it without being told to: ``"always"``; ``"tcp"`` — only
+    #: when the endpoint binds a tcp:// address (cross-host engines); ``"never"`` —
+    #: only when listed in ``Endpoint(backends=[...])``.
+    auto_start: ClassVar[Literal["always", "tcp", "never"]] = "always"
+    #: Needs a CUDA device to run at all (its tests skip, rather than fail, without one).
+    needs_gpu: ClassVar[bool] = False
 
     def __init__(self, ctx: BackendContext) -> None:
         self.ctx = ctx
@@ -303,7 +309,17 @@ class ByteBackend(BackendBase):
 
     @abc.abstractmethod
     def close(self, inb: InboundBuffer) -> None:
-        """The receiver is done with ``inb`` (the ACK follows). Idempotent."""
+        """The receiver is done with ``inb`` (the ACK follows). Idempotent.
+
+        It may be called before every byte was fetched (abort, error): a
+        two-sided engine must then still consume the rest of the object.
+        """
+
+    def drop(self, peer: PeerInfo, info: bytes, nbytes: int) -> None:
+        """The receiver refuses an announced object without opening it (abort,
+        error, full queue); a NACK follows. One-sided engines need nothing; a
+        two-sided engine must still consume the object so later ones stay paired.
+        """
 
 
 class ObjectBackend(BackendBase):

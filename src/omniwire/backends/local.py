@@ -15,7 +15,7 @@ import itertools
 import threading
 from typing import Any, ClassVar
 
-from ..errors import BackendError
+from ..errors import BackendClosedError, BackendError
 from ..wire import MAX_HEADER_DEPTH
 from .base import Capabilities, Locality, ObjectBackend, PeerInfo
 
@@ -56,8 +56,11 @@ class LocalBackend(ObjectBackend):
     def __init__(self, ctx: Any) -> None:
         super().__init__(ctx)
         self._mine: set[bytes] = set()
+        self._closed = False
 
     def put_object(self, peer: PeerInfo, value: Any) -> bytes:
+        if self._closed:
+            raise BackendClosedError("local backend is closed")
         key = f"{self.ctx.instance:x}:{next(_ids)}".encode()
         copied = copy_containers(value)
         with _lock:
@@ -81,6 +84,7 @@ class LocalBackend(ObjectBackend):
         self._mine.discard(info)
 
     async def aclose(self) -> None:
+        self._closed = True
         with _lock:
             for key in self._mine:
                 _table.pop(key, None)

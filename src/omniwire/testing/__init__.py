@@ -1,1 +1,12 @@
-"""Test support for omniwire and for third-party backends: strategies and conformance."""
+"""Test support for omniwire and for third-party backends.
+
+- :class:`BackendConformance` — subclass it to run the conformance suite on a backend.
+- :mod:`omniwire.testing.strategies` — Hypothesis strategies for payloads.
+- :mod:`omniwire.testing.peer` — a peer process for multi-process tests.
+
+Needs the ``test`` extra (pytest, hypothesis).
+"""
+
+from .conformance import BackendConformance, PeerProcess, require_backend
+
+__all__ = ["BackendConformance", "PeerProcess", "require_backend"]

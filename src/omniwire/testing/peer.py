@@ -41,6 +41,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--delay", type=float, default=0.0)
     p.add_argument("--exit-after", type=int, default=0)
     p.add_argument("--ack-timeout", type=float, default=30.0)
+    p.add_argument("--receive-buffer", type=int, default=64)
     p.add_argument("--allow-pickle", action="store_true")
     p.add_argument("--auth-key", default=None)
     return p
@@ -54,7 +55,9 @@ async def _answer(ep: Endpoint, d: Any) -> None:
     elif d.kind == "stream_end":
         await ep.end_stream(d.from_stage, request_id=d.request_id)
     elif d.kind == "error" and d.from_stage in ep.peer_names():
-        await ep.end_stream(d.from_stage, request_id=d.request_id, error=f"peer saw error: {d.error}")
+        await ep.end_stream(
+            d.from_stage, request_id=d.request_id, error=f"peer saw error: {d.error}"
+        )
 
 
 async def run(args: argparse.Namespace) -> int:
@@ -70,6 +73,7 @@ async def run(args: argparse.Namespace) -> int:
         zero_copy=args.zero_copy,
         host_id=args.host_id,
         ack_timeout=args.ack_timeout,
+        receive_buffer=args.receive_buffer,
         allow_pickle=args.allow_pickle,
         auth_key=args.auth_key,
     )
@@ -93,7 +97,9 @@ async def run(args: argparse.Namespace) -> int:
                             try:
                                 await _answer(ep, d)
                             except Exception as exc:
-                                print(f"answer failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+                                print(
+                                    f"answer failed: {type(exc).__name__}: {exc}", file=sys.stderr
+                                )
                     handled += 1
                     if args.exit_after and handled >= args.exit_after:
                         tg.cancel_scope.cancel()
