@@ -1179,7 +1179,6 @@ class Endpoint:
                         points = packing.split_points(enc.tensors, layout, self.progressive_chunk)
                     assert out.buffer is not None
                     await self._pack(out.buffer, enc.tensors, layout, 0, points[0])
-                    await backend.publish(out, 0, points[0])
                 ref_info = backend.describe(out)
             except BaseException:
                 if out is not None:
@@ -1214,11 +1213,16 @@ class Endpoint:
             metadata=meta,
         )
         frame = wire.encode(msg)
+        # publish + announce under the peer's lock: a two-sided engine (nccl) pairs
+        # sends and receives in order, so both must happen in DataReady order.
         async with peer.send_lock:
             peer.session.announce(
                 wire.OutboundObject(object_id, request_id, layout.nbytes, points[0], record)
             )
             try:
+                if out is not None and out.layout == "packed":
+                    assert isinstance(backend, ByteBackend)
+                    await backend.publish(out, 0, points[0])
                 await self._send_frame(peer.name, frame)
             except BaseException:
                 peer.session.forget_outbound(object_id)

@@ -52,7 +52,22 @@ from ..endpoint import Endpoint
 from ..errors import BackendClosedError, BackendError, RequestAbortedError
 from .strategies import assert_payload_equal, payloads
 
-__all__ = ["BackendConformance", "PeerProcess", "require_backend"]
+__all__ = ["BackendConformance", "PeerProcess", "require_backend", "to_device"]
+
+
+def to_device(value: Any, device: str) -> Any:
+    """``value`` with every torch tensor moved to ``device`` (containers rebuilt)."""
+    if device == "cpu":
+        return value
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if type(value) is list:
+        return [to_device(v, device) for v in value]
+    if type(value) is tuple:
+        return tuple(to_device(v, device) for v in value)
+    if type(value) is dict:
+        return {k: to_device(v, device) for k, v in value.items()}
+    return value
 
 
 def require_backend(name: str) -> type[Any]:
@@ -166,6 +181,8 @@ class BackendConformance:
     max_examples: ClassVar[int] = 12
     #: Size of the "large" object test (announced progressively where supported).
     large_nbytes: ClassVar[int] = 24 << 20
+    #: Where the payloads' tensors live ("cuda" for GPU backends).
+    device: ClassVar[str] = "cpu"
 
     # -- fixtures ------------------------------------------------------------------
 
@@ -270,6 +287,7 @@ class BackendConformance:
         )
         @given(payloads(max_leaves=8))
         def check(value: Any) -> None:
+            value = to_device(value, self.device)
             d = harness.call(harness.round_trip, value, f"rt-{next(counter)}")
             assert d.kind == "payload", d
             assert d.backend == self.backend
@@ -304,8 +322,9 @@ class BackendConformance:
 
     def test_large_object_round_trips(self, harness: _Harness) -> None:
         t = torch.randint(-(2**31), 2**31 - 1, (self.large_nbytes // 4,), dtype=torch.int32)
-        d = harness.call(harness.round_trip, {"big": t, "small": torch.ones(3)}, "large")
-        assert torch.equal(d.payload["big"], t)
+        value = to_device({"big": t, "small": torch.ones(3)}, self.device)
+        d = harness.call(harness.round_trip, value, "large")
+        assert torch.equal(d.payload["big"].cpu(), t)
 
     def test_nothing_left_in_flight_after_round_trips(self, harness: _Harness) -> None:
         for i in range(5):
