@@ -2,7 +2,7 @@
 
 - :class:`BackendConformance` — subclass it to run the conformance suite on a backend.
 - :mod:`omniwire.testing.strategies` — Hypothesis strategies for payloads.
-- :mod:`omniwire.testing.peer` — a peer process for multi-process tests.
+- :class:`PeerProcess` — runs ``python -m omniwire.peer`` (echo or sink) as a child process.
 
 Needs the ``test`` extra (pytest, hypothesis).
 """

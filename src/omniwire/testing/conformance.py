@@ -91,7 +91,7 @@ def ipc_address(name: str) -> str:
 
 
 class PeerProcess:
-    """``python -m omniwire.testing.peer`` in a child process; its exit code is checked."""
+    """``python -m omniwire.peer`` in a child process; its exit code is checked."""
 
     def __init__(
         self, name: str, address: str, *args: str, env: dict[str, str] | None = None
@@ -100,7 +100,7 @@ class PeerProcess:
         cmd = [
             sys.executable,
             "-m",
-            "omniwire.testing.peer",
+            "omniwire.peer",
             "--name",
             name,
             "--address",
@@ -262,7 +262,7 @@ class BackendConformance:
 
     @staticmethod
     async def _in_process_peer(ep: Endpoint, mode: str) -> None:
-        from .peer import _answer
+        from ..peer import _answer
 
         async for d in ep:
             async with d:

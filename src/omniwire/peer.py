@@ -1,4 +1,4 @@
-"""A peer process for tests: ``python -m omniwire.testing.peer --name far --address ...``.
+"""A ready-made stage process: ``python -m omniwire.peer --name far --address ...``.
 
 It runs one :class:`~omniwire.Endpoint` and answers every delivery:
 
@@ -10,7 +10,8 @@ It runs one :class:`~omniwire.Endpoint` and answers every delivery:
 
 It prints ``READY <address>`` once listening and exits 0 on SIGTERM or when
 ``--exit-after`` deliveries were handled. Used by the conformance suite and the
-multi-process tests; it is also a small example of the Endpoint API.
+multi-process tests and by ``omniwire bench``; it is also a small example of the
+Endpoint API.
 """
 
 from __future__ import annotations
@@ -23,11 +24,11 @@ from typing import Any
 
 import anyio
 
-from ..endpoint import Endpoint
+from .endpoint import Endpoint
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m omniwire.testing.peer")
+    p = argparse.ArgumentParser(prog="python -m omniwire.peer")
     p.add_argument("--name", required=True)
     p.add_argument("--address", required=True)
     p.add_argument("--peer", action="append", default=[], help="NAME=ADDRESS")
