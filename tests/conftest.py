@@ -23,3 +23,22 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
+
+
+import pathlib  # noqa: E402
+
+import pytest  # noqa: E402
+
+
+def omniwire_segments() -> set[str]:
+    """Names of omniwire shared-memory segments currently in /dev/shm."""
+    return {p.name for p in pathlib.Path("/dev/shm").glob("omniwire-*")}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _no_shared_memory_left_behind():  # type: ignore[no-untyped-def]
+    """After the whole suite — SIGKILL tests included — /dev/shm holds no omniwire segment."""
+    before = omniwire_segments()
+    yield
+    leaked = omniwire_segments() - before
+    assert not leaked, f"omniwire segments left in /dev/shm: {sorted(leaked)}"

@@ -90,6 +90,8 @@ class RouteStats:
     count: int = 0
     nbytes: int = 0
     latencies: deque[float] = field(default_factory=lambda: deque(maxlen=1000))
+    #: The latest decision on this route, with every candidate's rejection.
+    route: Route | None = None
 
     def latency_ms(self, q: float = 0.5) -> float | None:
         if not self.latencies:
@@ -501,7 +503,12 @@ class Endpoint:
             with anyio.move_on_after(timeout):
                 await peer.ready.wait()
             if not peer.ready.is_set():
-                detail = peer.last_refusal or peer.lost_reason or "no HelloMessage received"
+                if peer.lost_reason:
+                    raise PeerLostError(
+                        f"peer {name!r} was lost ({peer.lost_reason}) and did not come back "
+                        f"within {timeout:g} s"
+                    )
+                detail = peer.last_refusal or "no HelloMessage received"
                 raise HandshakeError(
                     f"peer {name!r} at {peer.address or '?'} did not complete the handshake "
                     f"with {self.name!r} within {timeout:g} s ({detail})"
@@ -1035,6 +1042,7 @@ class Endpoint:
         stats = self.route_stats.get(key)
         if stats is None:
             stats = self.route_stats[key] = RouteStats(peer, kind, route.backend, route.reason)
+        stats.route = route
         return stats
 
     @contextlib.contextmanager

@@ -6,7 +6,8 @@ It runs one :class:`~omniwire.Endpoint` and answers every delivery:
   the same request id and kind; a stream end is answered with a stream end; an
   error or abort is answered with an ``error`` stream end naming it;
 - ``sink``: takes everything, answers nothing (``--delay`` seconds per delivery
-  makes it a slow consumer).
+  makes it a slow consumer);
+- ``bench``: answers (as ``echo``) only deliveries whose metadata has ``"echo": True``.
 
 It prints ``READY <address>`` once listening and exits 0 on SIGTERM or when
 ``--exit-after`` deliveries were handled. Used by the conformance suite and the
@@ -32,7 +33,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--name", required=True)
     p.add_argument("--address", required=True)
     p.add_argument("--peer", action="append", default=[], help="NAME=ADDRESS")
-    p.add_argument("--mode", choices=["echo", "sink"], default="echo")
+    p.add_argument("--mode", choices=["echo", "sink", "bench"], default="echo")
     p.add_argument("--backends", default=None, help="comma-separated backend names")
     p.add_argument("--backend-options", default="{}", help="JSON {backend: {option: value}}")
     p.add_argument("--routes", default="{}", help="JSON {edge: backend}")
@@ -94,7 +95,12 @@ async def run(args: argparse.Namespace) -> int:
                     async with d:
                         if args.delay:
                             await anyio.sleep(args.delay)
-                        if args.mode == "echo":
+                        wants = args.mode == "echo" or (
+                            args.mode == "bench"
+                            and isinstance(d.metadata, dict)
+                            and d.metadata.get("echo")
+                        )
+                        if wants:
                             try:
                                 await _answer(ep, d)
                             except Exception as exc:

@@ -10,6 +10,7 @@ as soon as the copy is done.
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import threading
 import weakref
@@ -60,12 +61,12 @@ class RecvPool:
         return torch.from_numpy(array)
 
     def _give_back(self, block: mmap.mmap, size: int) -> None:
+        # Runs while the last array viewing the block is being deallocated, so the
+        # block may still count an export: keep it, or just drop it (GC unmaps it).
         with self._lock:
             if self._idle_bytes + size <= self.max_idle_bytes:
                 self._idle.setdefault(size, []).append(block)
                 self._idle_bytes += size
-                return
-        block.close()
 
     def clear(self) -> None:
         with self._lock:
@@ -73,7 +74,8 @@ class RecvPool:
             self._idle.clear()
             self._idle_bytes = 0
         for b in blocks:
-            b.close()
+            with contextlib.suppress(BufferError):
+                b.close()
 
     @property
     def idle_bytes(self) -> int:

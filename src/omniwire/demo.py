@@ -1,0 +1,242 @@
+"""``omniwire demo``: a small pipeline that shows which backend carries each edge.
+
+Topology: stages ``src`` and ``near`` share this process; stage ``far`` runs in a
+child process (``--remote``: as another host over tcp://, across a cross-host
+engine). ``src`` sends a 4 MiB "encoder output" to ``near`` and ``far``, then
+streams a 64 B, a 64 KiB and a 4 MiB chunk to ``far`` and ends the stream.
+``near`` and ``far`` reduce what they received and answer; ``src`` checks the
+answers against its own reduction and prints, per edge and kind, the backend,
+why it was chosen, the bytes and the latency, then the merged result.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import secrets
+import subprocess
+import sys
+import tempfile
+from typing import Any
+
+import anyio
+import torch
+
+from .endpoint import Endpoint, RouteStats
+from .errors import OmniwireError
+
+__all__ = ["main", "run"]
+
+PAYLOAD_NUMEL = 1 << 20  # 4 MiB of float32
+CHUNK_NUMELS = (16, 16 << 10, 1 << 20)  # 64 B, 64 KiB, 4 MiB of float32
+REQUEST = "req-0"
+REMOTE_HOST_ID = "omniwire-demo-remote-host"
+
+
+def _reduce(t: torch.Tensor) -> dict[str, Any]:
+    return {"numel": t.numel(), "sum": round(float(t.double().sum()), 3)}
+
+
+def _inputs() -> tuple[torch.Tensor, list[torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(PAYLOAD_NUMEL, generator=g)
+    chunks = [torch.randn(n, generator=g) for n in CHUNK_NUMELS]
+    return hidden, chunks
+
+
+async def _far_stage(args: argparse.Namespace) -> int:
+    """The ``far`` stage (child process): reduce the payload and the stream, answer src."""
+    backends = args.backends.split(",") if args.backends else None
+    routes = {"src": args.route} if args.route else None
+    async with Endpoint(
+        "far", address=args.address, backends=backends, routes=routes, host_id=args.host_id or None
+    ) as ep:
+        print(f"READY {ep.address}", flush=True)
+        payload: dict[str, Any] = {}
+        chunks: list[dict[str, Any]] = []
+        async for d in ep:
+            if d.kind == "payload":
+                payload = {**_reduce(d.payload["hidden"]), "backend": d.backend}
+            elif d.kind == "stream_chunk":
+                chunks.append(
+                    {
+                        "chunk_id": d.chunk_id,
+                        "step": d.metadata["step"],
+                        "backend": d.backend,
+                        **_reduce(d.payload),
+                    }
+                )
+            elif d.kind == "stream_end":
+                answer = {"stage": "far", "payload": payload, "chunks": chunks}
+                receipt = await ep.send(d.from_stage, answer, request_id=d.request_id)
+                await receipt.wait(30)
+                return 0
+            elif d.kind in ("error", "aborted"):
+                print(f"far: {d.kind} for {d.request_id}: {d.error}", file=sys.stderr)
+                return 1
+    return 1
+
+
+async def _near_stage(ep: Endpoint) -> None:
+    d = await ep.receive()
+    result = {"stage": "near", "payload": {**_reduce(d.payload["hidden"]), "backend": d.backend}}
+    await ep.send(d.from_stage, result, request_id=d.request_id)
+
+
+def _row(s: RouteStats, src: str) -> str:
+    lat = s.latency_ms()
+    latency = "-" if lat is None else f"{lat:8.2f} ms"
+    return f"{src + '→' + s.peer:<10} {s.kind:<13} {s.backend:<9} {s.count:>5} {s.nbytes:>12,} {latency:>12}"
+
+
+def _table(ep: Endpoint, explain: bool) -> str:
+    lines = [
+        f"{'edge':<10} {'kind':<13} {'backend':<9} {'count':>5} {'bytes':>12} {'latency p50':>12}",
+        "-" * 66,
+    ]
+    for s in sorted(ep.route_stats.values(), key=lambda s: (s.peer, s.kind, -s.nbytes)):
+        lines.append(_row(s, ep.name))
+        lines.append(f"{'':<10} why: {s.reason}")
+    if explain:
+        lines.append("")
+        lines.append("routes in full (every candidate and why it lost):")
+        for (peer, kind, _), s in sorted(ep.route_stats.items()):
+            if s.route is not None:
+                lines.append(f"  {ep.name}→{peer} {kind} (policy {s.route.policy}):")
+                lines += ["    " + line for line in s.route.explain().splitlines()]
+    lines.append("latency: send → ACK (inline chunks: send → hand-off; they need no ACK)")
+    return "\n".join(lines)
+
+
+async def run(*, remote: bool = False, backend: str | None = None, explain: bool = False) -> int:
+    """Run the demo pipeline; returns the process exit code."""
+    tmp = os.path.join(tempfile.gettempdir(), f"omniwire-demo-{os.getuid()}")
+    tag = secrets.token_hex(3)
+    hidden, chunks = _inputs()
+    if remote:
+        cross = backend or "mooncake"
+        src_address, far_address = "tcp://127.0.0.1:0", "tcp://127.0.0.1:0"
+        src_backends = ["local", "shm", cross]
+        far_args = ["--host-id", REMOTE_HOST_ID, "--backends", ",".join(src_backends)]
+        routes = {"far": cross} if backend else None
+        if backend:
+            far_args += ["--route", backend]
+    else:
+        if backend:
+            raise SystemExit("--backend needs --remote (same-host routing picks local/inline/shm)")
+        src_address = f"ipc://{tmp}/src-{tag}"
+        far_address = f"ipc://{tmp}/far-{tag}"
+        src_backends, far_args, routes = None, [], None
+    far, ready = await anyio.to_thread.run_sync(_start_far, far_address, far_args)
+    if not ready.startswith("READY "):
+        print(f"omniwire demo: the far stage did not start (exit {far.wait()})", file=sys.stderr)
+        return 2
+    far_address = ready.split(" ", 1)[1]
+    problems: list[str] = []
+    try:
+        async with (
+            Endpoint("near", address=f"ipc://{tmp}/near-{tag}") as near,
+            Endpoint(
+                "src",
+                address=src_address,
+                backends=src_backends,
+                routes=routes,
+                peers={"near": near.address, "far": far_address},
+            ) as src,
+        ):
+            await src.wait_peer("near")
+            await src.wait_peer("far", 30)
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(_near_stage, near)
+                payload = {"hidden": hidden, "step": 0}
+                await src.send("near", payload, request_id=REQUEST)
+                await src.send("far", payload, request_id=REQUEST)
+                for step, chunk in enumerate(chunks):
+                    await src.stream("far", chunk, request_id=REQUEST, metadata={"step": step})
+                await src.end_stream("far", request_id=REQUEST)
+                answers: dict[str, Any] = {}
+                with anyio.fail_after(60):
+                    while len(answers) < 2:
+                        d = await src.receive()
+                        if d.kind != "payload":
+                            raise OmniwireError(
+                                f"unexpected {d.kind} from {d.from_stage}: {d.error}"
+                            )
+                        answers[d.payload["stage"]] = d.payload
+                await src.drain(30)
+            problems += _check(answers, hidden, chunks)
+            print(_table(src, explain))
+            print()
+            print("merged result:")
+            print(f"  near: {answers['near']['payload']}")
+            print(f"  far:  payload {answers['far']['payload']}")
+            for c in answers["far"]["chunks"]:
+                print(f"        chunk {c}")
+    finally:
+        code = await anyio.to_thread.run_sync(far.wait, 30)
+        if far.stdout is not None:
+            far.stdout.close()
+    if code != 0:
+        problems.append(f"the far stage exited with {code}")
+    if problems:
+        for p in problems:
+            print(f"omniwire demo: FAILED: {p}", file=sys.stderr)
+        return 1
+    print("\nomniwire demo: OK — every answer matches the source's own reduction")
+    return 0
+
+
+def _start_far(address: str, extra: list[str]) -> tuple[subprocess.Popen[str], str]:
+    far = subprocess.Popen(
+        [sys.executable, "-m", "omniwire.demo", "--far", "--address", address, *extra],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert far.stdout is not None
+    ready = far.stdout.readline().strip()
+    if not ready.startswith("READY "):
+        far.kill()
+    return far, ready
+
+
+def _check(answers: dict[str, Any], hidden: torch.Tensor, chunks: list[torch.Tensor]) -> list[str]:
+    problems = []
+    expected = _reduce(hidden)
+    for stage in ("near", "far"):
+        got = {k: answers[stage]["payload"][k] for k in ("numel", "sum")}
+        if got != expected:
+            problems.append(f"{stage} reduced the payload to {got}, expected {expected}")
+    far_chunks = answers["far"]["chunks"]
+    if [c["chunk_id"] for c in far_chunks] != [0, 1, 2]:
+        problems.append(f"far got chunks out of order: {[c['chunk_id'] for c in far_chunks]}")
+    for c, t in zip(far_chunks, chunks, strict=False):
+        if {k: c[k] for k in ("numel", "sum")} != _reduce(t):
+            problems.append(f"far chunk {c['chunk_id']} reduced to {c}, expected {_reduce(t)}")
+    return problems
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m omniwire.demo")
+    p.add_argument("--far", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--address", help=argparse.SUPPRESS)
+    p.add_argument("--host-id", help=argparse.SUPPRESS)
+    p.add_argument("--backends", help=argparse.SUPPRESS)
+    p.add_argument("--route", help=argparse.SUPPRESS)
+    p.add_argument("--remote", action="store_true")
+    p.add_argument("--backend", choices=["mooncake", "nixl", "nccl"])
+    p.add_argument("--explain", action="store_true")
+    args = p.parse_args(argv)
+    if args.far:
+        return anyio.run(_far_stage, args)
+    try:
+        return anyio.run(
+            lambda: run(remote=args.remote, backend=args.backend, explain=args.explain)
+        )
+    except OmniwireError as exc:
+        print(f"omniwire demo: FAILED: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
