@@ -173,6 +173,7 @@ class ControlPlane:
             | zmq.EVENT_DISCONNECTED
             | zmq.EVENT_HANDSHAKE_FAILED_AUTH
             | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+            | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
         )
         sock.connect(address)
         self._push[peer] = sock
@@ -204,7 +205,11 @@ class ControlPlane:
                 yield PeerEvent.UP
             elif event == zmq.EVENT_DISCONNECTED:
                 yield PeerEvent.DOWN
-            elif event in (zmq.EVENT_HANDSHAKE_FAILED_AUTH, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL):
+            elif event in (
+                zmq.EVENT_HANDSHAKE_FAILED_AUTH,
+                zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL,
+                zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL,
+            ):
                 yield PeerEvent.AUTH_FAILED
             elif event == zmq.EVENT_MONITOR_STOPPED:
                 return

@@ -277,6 +277,7 @@ class ShmBackend(ByteBackend):
         self._open = 0
         self._closed = False
         self._warned_dedicated = False
+        self._arena_error = ""
 
     @classmethod
     def availability(cls) -> Availability:
@@ -299,14 +300,22 @@ class ShmBackend(ByteBackend):
             await self._ensure_arena()  # first same-host peer: fault the arena in now
 
     async def _ensure_arena(self) -> None:
-        if self._arena is not None or self.arena_size <= 0:
+        """Create the arena once. If /dev/shm has no room for it, say so once and carry
+        on with dedicated segments (each of which fails with ShmFullError if it, too,
+        does not fit)."""
+        if self._arena is not None or self.arena_size <= 0 or self._arena_error:
             return
         async with self._arena_lock:
-            if self._arena is None:
+            if self._arena is None and not self._arena_error:
                 name = f"{self.prefix}-{next(self._seq)}"
-                arena = await anyio.to_thread.run_sync(
-                    Segment.create, name, self.arena_size, self.directory
-                )
+                try:
+                    arena = await anyio.to_thread.run_sync(
+                        Segment.create, name, self.arena_size, self.directory
+                    )
+                except ShmFullError as exc:
+                    self._arena_error = str(exc)
+                    log.warning("shm arena not created: %s; using per-object segments", exc)
+                    return
                 self._alloc = BuddyAllocator(arena.size, min_block=4096)
                 self._arena = arena
 
