@@ -78,7 +78,7 @@ def test_unavailable_backend_reports_reason_and_hint() -> None:
         entry = registry.backend_status("needs-foo")
         assert entry.status == "unavailable"
         assert entry.source == "registered in code"
-        with pytest.raises(BackendUnavailableError, match="foo library.*pip install foo"):
+        with pytest.raises(BackendUnavailableError, match=r"foo library.*pip install foo"):
             registry.load_backend("needs-foo")
         with pytest.raises(ValueError, match="already registered"):
             registry.register_backend("needs-foo", _Unavailable)
@@ -88,7 +88,7 @@ def test_unavailable_backend_reports_reason_and_hint() -> None:
 
 
 def test_interface_is_checked_at_registration_naming_the_plugin() -> None:
-    with pytest.raises(PluginError, match="incomplete.*does not implement discard, take_object"):
+    with pytest.raises(PluginError, match=r"incomplete.*does not implement discard, take_object"):
         registry.register_backend("incomplete", _Incomplete)  # type: ignore[type-abstract]
     with pytest.raises(PluginError, match="not a ByteBackend or ObjectBackend"):
         registry.register_backend("bogus", dict)  # type: ignore[arg-type]
@@ -126,7 +126,7 @@ def test_a_broken_plugin_is_listed_as_broken_and_breaks_nothing(
 def test_policies_by_name() -> None:
     assert registry.load_policy("default").name == "default"
     assert registry.load_policy("strict").name == "strict"
-    with pytest.raises(KeyError, match="known: .*default"):
+    with pytest.raises(KeyError, match=r"known: .*default"):
         registry.load_policy("nope")
 
 
