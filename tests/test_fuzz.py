@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from omniwire import codec, wire
 from omniwire.errors import WireFormatError
 from omniwire.testing.strategies import payloads
+
 from wire_strategies import messages
 
 FUZZ_EXAMPLES = 3000

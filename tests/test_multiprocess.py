@@ -10,12 +10,13 @@ import anyio
 import pytest
 import torch
 
-from conftest import omniwire_segments
 from omniwire.backends.shm import sweep_stale_segments
 from omniwire.endpoint import Endpoint
 from omniwire.errors import PeerLostError
 from omniwire.testing import PeerProcess
 from omniwire.testing.conformance import ipc_address
+
+from conftest import omniwire_segments
 
 
 def _segments_of(pid: int) -> set[str]:

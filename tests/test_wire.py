@@ -15,6 +15,7 @@ from omniwire.errors import (
     UnsupportedVersionError,
     WireFormatError,
 )
+
 from wire_strategies import acks, data_readies, hellos, messages
 
 

@@ -1165,77 +1165,74 @@ class Endpoint:
         info = self._peer_info(peer, route.backend)
         object_id = next(self._object_ids)
         receipt.object_id = object_id
-        out: OutboundBuffer | None = None
+        record = _Out(
+            backend, None, b"", receipt, layout.nbytes, time.monotonic() + self.ack_timeout, stats
+        )
         points = [layout.nbytes]
-        if isinstance(backend, ObjectBackend):
-            ref_info = backend.put_object(info, payload)
-            ref = wire.DataRef(
-                object_id=object_id,
-                kind=kind,
-                backend=backend.name,
-                layout="object",
-                ref=wire.BackendRef(backend=backend.name, info=ref_info, length=0),
-            )
-        else:
-            assert isinstance(backend, ByteBackend)
-            device = next((str(t.device) for t in enc.tensors if t.device.type != "cpu"), "cpu")
-            out = await backend.export_tensors(info, enc.tensors)
-            try:
+        announced = False
+        try:  # from here on, whatever goes wrong frees what was taken
+            if isinstance(backend, ObjectBackend):
+                record.info = backend.put_object(info, payload)
+                ref = wire.DataRef(
+                    object_id=object_id,
+                    kind=kind,
+                    backend=backend.name,
+                    layout="object",
+                    ref=wire.BackendRef(backend=backend.name, info=record.info, length=0),
+                )
+            else:
+                assert isinstance(backend, ByteBackend)
+                device = next((str(t.device) for t in enc.tensors if t.device.type != "cpu"), "cpu")
+                out = await backend.export_tensors(info, enc.tensors)
                 if out is None:
                     out = await backend.allocate(info, layout.nbytes, device)
+                    record.buffer = out
                     if type(backend).capabilities.progressive and self.progressive_chunk > 0:
                         points = packing.split_points(enc.tensors, layout, self.progressive_chunk)
                     assert out.buffer is not None
                     await self._pack(out.buffer, enc.tensors, layout, 0, points[0])
-                ref_info = backend.describe(out)
-            except BaseException:
-                if out is not None:
-                    backend.free(out)
-                raise
-            first = points[0]
-            ref = wire.DataRef(
-                object_id=object_id,
-                kind=kind,
-                backend=backend.name,
-                layout=out.layout,  # type: ignore[arg-type]
-                ref=wire.BackendRef(backend=backend.name, info=ref_info, length=layout.nbytes),
-                header=enc.header,
-                tensors=layout.metas,
-                ready=first if first < layout.nbytes else None,
+                record.buffer = out
+                record.info = backend.describe(out)
+                first = points[0]
+                ref = wire.DataRef(
+                    object_id=object_id,
+                    kind=kind,
+                    backend=backend.name,
+                    layout=out.layout,  # type: ignore[arg-type]
+                    ref=wire.BackendRef(
+                        backend=backend.name, info=record.info, length=layout.nbytes
+                    ),
+                    header=enc.header,
+                    tensors=layout.metas,
+                    ready=first if first < layout.nbytes else None,
+                )
+            frame = wire.encode(
+                wire.DataReadyMessage(
+                    request_id=request_id,
+                    from_stage=self.name,
+                    to_stage=peer.name,
+                    chunk_id=chunk_id,
+                    data_ref=ref,
+                    metadata=meta,
+                )
             )
-        record = _Out(
-            backend,
-            out,
-            ref_info,
-            receipt,
-            layout.nbytes,
-            time.monotonic() + self.ack_timeout,
-            stats,
-        )
-        msg = wire.DataReadyMessage(
-            request_id=request_id,
-            from_stage=self.name,
-            to_stage=peer.name,
-            chunk_id=chunk_id,
-            data_ref=ref,
-            metadata=meta,
-        )
-        frame = wire.encode(msg)
-        # publish + announce under the peer's lock: a two-sided engine (nccl) pairs
-        # sends and receives in order, so both must happen in DataReady order.
-        async with peer.send_lock:
-            peer.session.announce(
-                wire.OutboundObject(object_id, request_id, layout.nbytes, points[0], record)
-            )
-            try:
-                if out is not None and out.layout == "packed":
+            # publish + announce under the peer's lock: a two-sided engine (nccl) pairs
+            # sends and receives in order, so both must happen in DataReady order.
+            async with peer.send_lock:
+                peer.session.announce(
+                    wire.OutboundObject(object_id, request_id, layout.nbytes, points[0], record)
+                )
+                announced = True
+                if record.buffer is not None and record.buffer.layout == "packed":
                     assert isinstance(backend, ByteBackend)
-                    await backend.publish(out, 0, points[0])
+                    await backend.publish(record.buffer, 0, points[0])
                 await self._send_frame(peer.name, frame)
-            except BaseException:
+        except BaseException:
+            if announced:
                 peer.session.forget_outbound(object_id)
-                self._free(record)
-                raise
+            self._free(record)
+            raise
+        out = record.buffer
         stats.count += 1
         stats.nbytes += layout.nbytes
         if len(points) > 1:
