@@ -105,15 +105,7 @@ def _start_sink(address: str, zero_copy: bool) -> tuple[subprocess.Popen[str], s
 async def source(args: argparse.Namespace) -> int:
     rng = random.Random(args.seed)
     address = f"ipc://{tempfile.gettempdir()}/omniwire-soak-{os.getpid()}"
-    child = subprocess.Popen(
-        [sys.executable, __file__, "--role", "sink", "--address", address]
-        + (["--zero-copy"] if args.zero_copy else []),
-        stdout=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    assert child.stdout is not None
-    ready = child.stdout.readline().strip()
+    child, ready = await anyio.to_thread.run_sync(_start_sink, address, args.zero_copy)
     if not ready.startswith("READY "):
         print(f"soak: receiver did not start: {ready!r}", file=sys.stderr)
         return 2
