@@ -94,3 +94,13 @@ def test_unpack_rejects_tensors_outside_the_buffer() -> None:
 def test_unsendable_dtypes_are_a_type_error() -> None:
     with pytest.raises(TypeError, match="no wire name"):
         packing.plan([torch.empty(0, dtype=torch.bits8)])
+
+
+def test_one_element_tensor_with_a_stride_packs_by_range() -> None:
+    t = torch.arange(4, dtype=torch.int16)[::2][:1]  # shape (1,), stride (2,), "contiguous"
+    assert t.is_contiguous() and t.stride() == (2,)
+    layout = packing.plan([t])
+    buf = bytearray(layout.nbytes)
+    packing.pack_into(buf, [t], layout, 0, 1)
+    packing.pack_into(buf, [t], layout, 1, 2)
+    assert torch.equal(packing.unpack(buf, layout.metas, copy=True)[0], t)

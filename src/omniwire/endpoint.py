@@ -857,7 +857,12 @@ class Endpoint:
                     await backend.fetch(inb, done, ready, dest)
                     done = ready
                 source = dest if dest is not None else inb.buffer
-                assert source is not None
+                if source is None:
+                    if length:
+                        raise BackendError(
+                            f"backend {ref.backend} opened no buffer for object {oid}"
+                        )
+                    source = torch.empty(0, dtype=torch.uint8)  # a payload with no tensor bytes
                 tensors = packing.unpack(source, ref.tensors, copy=False)
             value = codec.loads(ref.header, tensors, allow_pickle=self.allow_pickle)
         except BaseException:

@@ -114,13 +114,17 @@ def as_byte_tensor(buffer: torch.Tensor | memoryview | bytearray) -> torch.Tenso
 
 
 def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
-    """The bytes of a contiguous tensor as a 1-D uint8 view."""
+    """The bytes of a contiguous tensor as a 1-D uint8 view.
+
+    torch calls a 1-element tensor with any stride contiguous; its flat view then
+    keeps that stride, which ``view(uint8)`` refuses, so such a tensor is copied.
+    """
     flat = t.reshape(-1)
-    return (
-        flat.view(torch.uint8)
-        if flat.numel()
-        else torch.empty(0, dtype=torch.uint8, device=t.device)
-    )
+    if not flat.numel():
+        return torch.empty(0, dtype=torch.uint8, device=t.device)
+    if flat.stride(0) != 1:
+        flat = torch.empty(flat.shape, dtype=flat.dtype, device=flat.device).copy_(flat)
+    return flat.view(torch.uint8)
 
 
 def pack_into(

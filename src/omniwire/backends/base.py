@@ -289,6 +289,8 @@ class ByteBackend(BackendBase):
     async def open(self, peer: PeerInfo, info: bytes, nbytes: int) -> InboundBuffer:
         """Validate and open a reference from ``peer``.
 
+        ``inb.buffer`` must be set for the packed layout, also for a 0-byte object.
+
         Raises:
             BackendError: the reference is malformed, names memory the peer does not
                 own, or lies outside it.

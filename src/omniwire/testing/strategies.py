@@ -106,8 +106,10 @@ def payloads(max_leaves: int = 12, tensor_strategy: Any = None) -> st.SearchStra
 
 
 def _bits(t: torch.Tensor) -> bytes:
-    c = t.detach().cpu().contiguous().reshape(-1)
-    return bytes(c.view(torch.uint8).numpy().tobytes()) if c.numel() else b""
+    if not t.numel():
+        return b""
+    c = torch.empty(t.numel(), dtype=t.dtype).copy_(t.detach().cpu().reshape(-1))
+    return bytes(c.view(torch.uint8).numpy().tobytes())
 
 
 def assert_payload_equal(expected: Any, actual: Any, path: str = "payload") -> None:
