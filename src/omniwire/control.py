@@ -225,6 +225,18 @@ class ControlPlane:
             raise EndpointClosedError("control plane is closed")
         await self._push[peer].send(frame, copy=len(frame) < 65536)
 
+    def send_nowait(self, peer: str, frame: bytes) -> bool:
+        """Send one frame now if ZeroMQ can queue it without waiting; False if not
+        (the caller falls back to :meth:`send`). For ACKs sent from synchronous code."""
+        sock = self._push.get(peer)
+        if sock is None or self._closed:
+            return False
+        try:
+            zmq.Socket.send(sock, frame, zmq.DONTWAIT)
+        except zmq.Again:
+            return False
+        return True
+
     async def publish(self, frame: bytes) -> None:
         if self._pub is None or self._closed:
             raise EndpointClosedError("control plane is closed")

@@ -874,6 +874,8 @@ class Endpoint:
             return value, None
         instance = info.instance
 
+        request_id = obj.request_id
+
         def release() -> None:
             backend.close(inb)
             current = self._peers.get(peer.name)
@@ -882,7 +884,8 @@ class Endpoint:
                 and current.hello is not None
                 and current.hello.instance == instance
             ):
-                self._ack(current, oid)
+                aborted = request_id in self._aborted
+                self._ack(current, oid, "request aborted" if aborted else None)
 
         return value, release
 
@@ -1111,13 +1114,15 @@ class Endpoint:
         backend = self._backends[route.backend]
         receipt = SendReceipt(target, request_id, None, route.backend, layout.nbytes)
         with self._interruptible(peer, request_id):
-            with anyio.move_on_after(self.ack_timeout) as credit_wait:
-                await peer.credits.acquire(layout.nbytes)
-            if credit_wait.cancelled_caught:
-                raise AckTimeoutError(
-                    f"no credit to send to {target!r} within {self.ack_timeout:g} s: "
-                    f"{peer.credits.count} objects ({peer.credits.bytes} bytes) are unacknowledged"
-                )
+            if not peer.credits.try_acquire(layout.nbytes):
+                with anyio.move_on_after(self.ack_timeout) as credit_wait:
+                    await peer.credits.acquire(layout.nbytes)
+                if credit_wait.cancelled_caught:
+                    raise AckTimeoutError(
+                        f"no credit to send to {target!r} within {self.ack_timeout:g} s: "
+                        f"{peer.credits.count} objects ({peer.credits.bytes} bytes) are "
+                        "unacknowledged"
+                    )
             try:
                 await self._announce(
                     peer,
@@ -1312,7 +1317,10 @@ class Endpoint:
         await self._control.send(peer, frame)
 
     def _send_nowait(self, peer: str, frame: bytes) -> None:
-        """Queue a frame from synchronous code (ACKs from ``Delivery.release``)."""
+        """Send a frame from synchronous code (ACKs, ``Delivery.release``): at once when
+        ZeroMQ can take it, else through the outbox task. ACK order does not matter."""
+        if not self._outbox and self._control.send_nowait(peer, frame):
+            return
         self._outbox.append((peer, frame))
         self._outbox_event.set()
 

@@ -351,6 +351,9 @@ class ShmBackend(ByteBackend):
         alloc = self._alloc
         if alloc is None or alloc.block_size(max(nbytes, 1)) > alloc.capacity:
             return None
+        offset = alloc.allocate(max(nbytes, 1))
+        if offset is not None:
+            return offset
         with anyio.move_on_after(self.arena_wait):
             while True:
                 offset = alloc.allocate(max(nbytes, 1))
