@@ -850,7 +850,7 @@ class Endpoint:
                 if not self.zero_copy:
                     tensors = [t.clone() for t in tensors]
             else:
-                dest = None if self.zero_copy else self._pool.take(length)
+                dest = None if self.zero_copy else self._receive_buffer(inb, length)
                 done = 0
                 while done < length:
                     ready = await self._wait_ready(obj, done)
@@ -888,6 +888,14 @@ class Endpoint:
                 self._ack(current, oid, "request aborted" if aborted else None)
 
         return value, release
+
+    def _receive_buffer(self, inb: Any, length: int) -> torch.Tensor:
+        """Where a copy-mode delivery lands: the receiving GPU when the backend
+        delivers to one, else a warm host buffer from the pool."""
+        device = inb.buffer.device if inb.buffer is not None else None
+        if device is not None and device.type != "cpu":
+            return torch.empty(length, dtype=torch.uint8, device=device)
+        return self._pool.take(length)
 
     async def _deliver(self, delivery: Delivery) -> None:
         self._queue.append(delivery)
@@ -1152,10 +1160,22 @@ class Endpoint:
         lo: int,
         hi: int,
     ) -> None:
-        if hi - lo >= THREAD_COPY_THRESHOLD:
-            await anyio.to_thread.run_sync(packing.pack_into, dest, tensors, layout, lo, hi)
-        else:
+        if hi - lo < THREAD_COPY_THRESHOLD:
             packing.pack_into(dest, tensors, layout, lo, hi)
+            return
+        cuda = next((t.device for t in tensors if t.device.type == "cuda"), None)
+        if cuda is None and dest.device.type != "cuda":
+            await anyio.to_thread.run_sync(packing.pack_into, dest, tensors, layout, lo, hi)
+            return
+        # CUDA copies are ordered on a stream, and the current stream is per thread:
+        # pack in the worker on the caller's stream, after the work that made the tensors.
+        stream = torch.cuda.current_stream(cuda if cuda is not None else dest.device)
+
+        def pack_on_stream() -> None:
+            with torch.cuda.stream(stream):
+                packing.pack_into(dest, tensors, layout, lo, hi)
+
+        await anyio.to_thread.run_sync(pack_on_stream)
 
     async def _announce(
         self,

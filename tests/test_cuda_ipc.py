@@ -1,0 +1,1203 @@
+"""cuda_ipc: CUDA tensors between GPU stages of one host.
+
+On a CPU machine these tests check everything but the CUDA calls themselves: the
+backend reports itself unavailable with its reason; the slot allocator; the wire
+blobs (encode, decode, validation); the routing rules; and the backend's whole
+bookkeeping — both paths, quarantine, dedicated buffers, failures, timeouts, and
+torch's IPC reference counters — driven through a fake of torch's CUDA IPC calls
+that shares CPU storages inside this process. The GPU tests (the conformance suite
+on CUDA tensors, same-GPU and cross-GPU two-process round trips) skip with their
+reason, and fail instead under ``OMNIWIRE_GPU_CHECK=1`` (``scripts/gpu_check.sh``).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import importlib.util
+import os
+import secrets
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from types import ModuleType, SimpleNamespace
+from typing import Any
+
+import anyio
+import msgspec
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import omniwire.backends.cuda_ipc as ci
+from omniwire import packing, registry
+from omniwire.backends.base import Availability, BackendContext, Capabilities, Locality, PeerInfo
+from omniwire.backends.cuda_ipc import (
+    CudaIpcBackend,
+    EventRing,
+    SlotPool,
+    build_views,
+    decode_hello,
+    decode_ref,
+    packed_length,
+    plan_shares,
+)
+from omniwire.backends.local import LocalBackend
+from omniwire.backends.shm import ShmBackend
+from omniwire.errors import BackendClosedError, BackendError, NoRouteError
+from omniwire.routing import (
+    INLINE,
+    Candidate,
+    DefaultPolicy,
+    Edge,
+    PayloadInfo,
+    StaticTablePolicy,
+    StrictDefaultPolicy,
+)
+from omniwire.testing import BackendConformance, require_backend
+from omniwire.testing.strategies import assert_payload_equal, payloads, tensors
+from omniwire.wire import DeviceInfo
+
+ROOT = Path(__file__).resolve().parents[1]
+AVAILABILITY = CudaIpcBackend.availability()
+GPU_CHECK = os.environ.get("OMNIWIRE_GPU_CHECK") == "1"
+PID = os.getpid()
+
+
+def gpus() -> int:
+    return torch.cuda.device_count() if AVAILABILITY.available else 0
+
+
+def need_gpus(n: int = 1) -> None:
+    """Skip (fail under OMNIWIRE_GPU_CHECK=1) without ``n`` GPUs."""
+    if not AVAILABILITY.available:
+        reason = f"cuda_ipc needs a GPU: {AVAILABILITY.reason}"
+    elif gpus() < n:
+        reason = f"needs {n} GPUs, {gpus()} visible"
+    elif n > 1 and not torch.cuda.can_device_access_peer(0, 1):
+        reason = "cuda:0 and cuda:1 cannot access each other"
+    else:
+        return
+    if GPU_CHECK and n == 1:
+        pytest.fail(reason + " (OMNIWIRE_GPU_CHECK=1)")
+    pytest.skip(reason)
+
+
+# =============================================================================== CPU
+
+
+class TestWithoutCuda:
+    def test_unavailable_with_its_reason(self) -> None:
+        if AVAILABILITY.available:
+            pytest.skip("CUDA is available here")
+        assert "no CUDA device" in AVAILABILITY.reason
+        entry = registry.backend_status("cuda_ipc")
+        assert entry.status == "unavailable"
+        assert "no CUDA device" in entry.error
+        assert entry.cls is CudaIpcBackend
+
+    def test_declared_as_the_issue_says(self) -> None:
+        caps = CudaIpcBackend.capabilities
+        assert caps.devices == frozenset({"cuda"})
+        assert caps.localities == frozenset({Locality.SAME_HOST})
+        assert not caps.host_staging
+        assert caps.needs_gpu_peer_access and caps.zero_copy
+        assert caps.preference == 85
+        assert CudaIpcBackend.needs_gpu is True
+        assert CudaIpcBackend.auto_start == "always"
+        assert CudaIpcBackend.name == "cuda_ipc"
+
+    def test_start_fails_clearly(self) -> None:
+        if AVAILABILITY.available:
+            pytest.skip("CUDA is available here")
+        b = CudaIpcBackend(BackendContext("x", 1))
+        with pytest.raises(BackendError, match="no CUDA device"):
+            anyio.run(b.start)
+
+    def test_cpu_endpoint_skips_it(self) -> None:
+        if AVAILABILITY.available:
+            pytest.skip("CUDA is available here")
+        from omniwire import Endpoint
+
+        async def run() -> list[str]:
+            async with Endpoint("cpu-only-" + secrets.token_hex(2)) as ep:
+                return ep.running_backends
+
+        running = anyio.run(run)
+        assert "cuda_ipc" not in running and "shm" in running
+
+    def test_require_backend_skips_with_the_reason(self) -> None:
+        if AVAILABILITY.available:
+            pytest.skip("CUDA is available here")
+        with pytest.raises(pytest.skip.Exception, match="no CUDA device"):
+            require_backend("cuda_ipc")
+
+    def test_bad_options(self) -> None:
+        with pytest.raises(BackendError, match="power of two"):
+            CudaIpcBackend(BackendContext("x", 1, {"min_block": 1000}))
+
+
+# ----------------------------------------------------------------------- the allocator
+
+
+class TestSlotPool:
+    def test_buddy_slots_and_quarantine(self) -> None:
+        pool = SlotPool(1 << 20, 4096)
+        a = pool.allocate(100_000)
+        b = pool.allocate(300_000)
+        assert a is not None and b is not None and a != b
+        assert pool.allocate(1 << 20) is None  # fragmented by a and b
+        pool.release(a, None)
+        pool.release(b, holder="peer")
+        assert pool.quarantined == 1
+        assert pool.allocate(1 << 20) is None  # b is still held by the peer
+        assert pool.reclaim(lambda h: False) == 0
+        assert pool.reclaim(lambda h: h == "peer") == 1
+        assert pool.quarantined == 0 and pool.bytes_in_use == 0
+        assert pool.allocate(1 << 20) == 0  # coalesced back into one block
+
+    def test_forget_frees_a_gone_holder(self) -> None:
+        pool = SlotPool(1 << 16, 4096)
+        offs = [pool.allocate(4096) for _ in range(16)]
+        assert pool.allocate(1) is None
+        for o in offs:
+            assert o is not None
+            pool.release(o, holder=("p", 1))
+        assert pool.holders == [("p", 1)]
+        assert pool.forget(("p", 1)) == 16
+        assert pool.allocate(1 << 16) == 0
+
+    @settings(max_examples=60, deadline=None)
+    @given(
+        st.lists(
+            st.tuples(
+                st.sampled_from(["alloc", "free", "hold", "reclaim"]),
+                st.integers(0, 70_000),
+                st.integers(0, 3),
+            ),
+            max_size=60,
+        )
+    )
+    def test_slots_never_overlap(self, ops: list[tuple[str, int, int]]) -> None:
+        pool = SlotPool(1 << 18, 4096)
+        live: dict[int, int] = {}  # offset -> size (allocated, including quarantined)
+        held: dict[int, int] = {}  # offset -> holder
+        done: set[int] = set()
+        for op, n, holder in ops:
+            if op == "alloc":
+                off = pool.allocate(n)
+                if off is not None:
+                    size = max(4096, 1 << max(0, (max(n, 1) - 1).bit_length()))
+                    end = off + size
+                    assert end <= 1 << 18
+                    for o, s in live.items():
+                        assert end <= o or off >= o + s, "slots overlap"
+                    live[off] = size
+            elif op in ("free", "hold"):
+                free = [o for o in live if o not in held]
+                if free:
+                    o = free[n % len(free)]
+                    if op == "free":
+                        pool.release(o, None)
+                        del live[o]
+                    else:
+                        pool.release(o, holder)
+                        held[o] = holder
+            else:
+                done.add(holder)
+                pool.reclaim(lambda h: h in done)
+                for o in [o for o, h in held.items() if h in done]:
+                    del held[o], live[o]
+            assert pool.quarantined == len(held)
+        for h in pool.holders:
+            pool.forget(h)
+        for o in [o for o in live if o not in held]:
+            pool.release(o, None)
+        assert pool.bytes_in_use == 0
+        assert pool.allocate(1 << 18) == 0
+
+
+def test_event_ring_reuses_events() -> None:
+    made: list[int] = []
+
+    def factory() -> tuple[Any, bytes]:
+        made.append(1)
+        return object(), bytes([len(made)]) * 64
+
+    ring = EventRing(factory)
+    i, e, h = ring.take()
+    j, _, _ = ring.take()
+    assert len(ring) == 2 and ring.in_use == 2 and i != j
+    ring.give(i)
+    k, e2, h2 = ring.take()
+    assert (k, e2, h2) == (i, e, h)
+    assert len(made) == 2
+
+
+# ----------------------------------------------------------------------- the wire blobs
+
+
+def _peer(pid: int = PID, info: bytes = b"", name: str = "a") -> PeerInfo:
+    return PeerInfo(name, 1, pid, "h", "t", Locality.SAME_HOST, info)
+
+
+def _share(storage: torch.UntypedStorage, n: int = 0, device: str = "GPU-A") -> ci._Share:
+    if storage.nbytes() == 0:
+        return ci._Share(device=device, handle=b"", nbytes=0, offset=0)
+    return ci._Share(
+        device=device,
+        handle=b"H" + n.to_bytes(8, "little") + bytes(57),
+        nbytes=storage.nbytes(),
+        offset=0,
+        counter=f"/torch_{PID}_12345_0",
+        counter_offset=n,
+        event=bytes(64),
+        event_sync=True,
+    )
+
+
+def _sample_tensors() -> list[torch.Tensor]:
+    base = torch.arange(48, dtype=torch.float32).reshape(6, 8)
+    return [
+        base[1:5, ::3],  # non-contiguous, offset into its storage
+        base.t(),  # the same storage again
+        torch.tensor(7, dtype=torch.int64),  # 0-dim
+        torch.empty(0, 3, dtype=torch.float16),  # zero-size
+        torch.tensor([True, False, True]),
+        torch.arange(10, dtype=torch.uint8)[3:],
+    ]
+
+
+def _plan(ts: list[torch.Tensor]) -> tuple[ci._TensorsRef, dict[int, torch.UntypedStorage]]:
+    counter = iter(range(1000))
+    storages: dict[int, torch.UntypedStorage] = {}
+
+    def share(s: torch.UntypedStorage) -> ci._Share:
+        sh = _share(s, next(counter))
+        storages[len(storages)] = s
+        return sh
+
+    return plan_shares(ts, share, lambda s: None), storages
+
+
+class TestWireBlobs:
+    def test_tensors_round_trip_and_rebuild_as_views(self) -> None:
+        ts = _sample_tensors()
+        ref, storages = _plan(ts)
+        assert len(ref.shares) == 5  # base's storage is shared once for both views
+        nbytes = packed_length(ts)
+        assert nbytes == packing.plan(ts).nbytes
+        decoded = decode_ref(ci._encoder.encode(ref), _peer(), nbytes)
+        assert decoded == ref
+        assert isinstance(decoded, ci._TensorsRef)
+        views = build_views(decoded, [storages[i] for i in range(len(storages))])
+        for t, v in zip(ts, views, strict=True):
+            assert v.dtype == t.dtype and v.shape == t.shape and v.stride() == t.stride()
+            assert torch.equal(v, t)
+            if t.numel():
+                assert v.data_ptr() == t.data_ptr()  # mapped in place: no copy
+
+    @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @given(st.lists(tensors(), min_size=1, max_size=6))
+    def test_any_tensor_rebuilds_bit_exactly(self, ts: list[torch.Tensor]) -> None:
+        ref, storages = _plan(ts)
+        decoded = decode_ref(ci._encoder.encode(ref), _peer(), packed_length(ts))
+        assert isinstance(decoded, ci._TensorsRef)
+        views = build_views(decoded, [storages[i] for i in range(len(storages))])
+        for t, v in zip(ts, views, strict=True):
+            assert_payload_equal(t, v)
+
+    def test_slot_ref_round_trips(self) -> None:
+        s = torch.empty(1 << 16, dtype=torch.uint8).untyped_storage()
+        ref = ci._SlotRef(
+            buffer=_share(s),
+            buffer_id=0,
+            dedicated=False,
+            offset=4096,
+            size=1000,
+            event=bytes(64),
+            event_id=3,
+        )
+        assert decode_ref(ci._encoder.encode(ref), _peer(), 1000) == ref
+
+    def test_hello_round_trips_and_is_checked(self) -> None:
+        info = ci._encoder.encode(ci._HelloInfo(pid=PID, device="GPU-A", release_event=bytes(64)))
+        assert decode_hello(_peer(info=info)).device == "GPU-A"
+        with pytest.raises(BackendError, match="pid"):
+            decode_hello(_peer(pid=PID + 1, info=info))
+        bad = ci._encoder.encode(ci._HelloInfo(pid=PID, device="GPU-A", release_event=b"x"))
+        with pytest.raises(BackendError, match="event"):
+            decode_hello(_peer(info=bad))
+        with pytest.raises(BackendError, match="malformed"):
+            decode_hello(_peer(info=b"\xc1"))
+
+    @staticmethod
+    def _tensors_ref(**share_changes: Any) -> tuple[ci._TensorsRef, int]:
+        ts = [torch.arange(16, dtype=torch.int32)]
+        ref, _ = _plan(ts)
+        share = msgspec.structs.replace(ref.shares[0], **share_changes)
+        return ci._TensorsRef(shares=[share], tensors=ref.tensors), packed_length(ts)
+
+    @pytest.mark.parametrize(
+        ("changes", "match"),
+        [
+            ({"counter": "/torch_1_2_3"}, "not the peer's process"),
+            ({"counter": "/dev/shm/other"}, "not torch's"),
+            ({"counter": ""}, "not torch's"),
+            ({"counter_offset": 10000}, "slot"),
+            ({"counter_offset": -1}, "slot"),
+            ({"handle": bytes(2000)}, "memory handle"),
+            ({"handle": b""}, "without a memory handle"),
+            ({"event": b"short"}, "event"),
+            ({"event": b"", "event_sync": True}, "event"),
+            ({"nbytes": 8}, "reaches byte 64"),
+            ({"nbytes": -1}, "out of range"),
+            ({"device": ""}, "no GPU"),
+        ],
+    )
+    def test_bad_shares_are_refused(self, changes: dict[str, Any], match: str) -> None:
+        ref, nbytes = self._tensors_ref(**changes)
+        with pytest.raises(BackendError, match=match):
+            decode_ref(ci._encoder.encode(ref), _peer(), nbytes)
+
+    @pytest.mark.parametrize(
+        ("changes", "match"),
+        [
+            ({"share": 1}, "names share"),
+            ({"dtype": "float128"}, "unknown dtype"),
+            ({"stride": [1, 1]}, "shape/stride"),
+            ({"offset": 1}, "reaches byte"),
+            ({"shape": [17]}, "reaches byte"),
+            ({"stride": [-1]}, "out of range"),
+            ({"shape": [1 << 51]}, "out of range"),
+        ],
+    )
+    def test_bad_tensors_are_refused(self, changes: dict[str, Any], match: str) -> None:
+        ref, nbytes = self._tensors_ref()
+        t = msgspec.structs.replace(ref.tensors[0], **changes)
+        bad = ci._TensorsRef(shares=ref.shares, tensors=[t])
+        with pytest.raises(BackendError, match=match):
+            decode_ref(ci._encoder.encode(bad), _peer(), nbytes)
+
+    def test_sizes_must_add_up(self) -> None:
+        ref, nbytes = self._tensors_ref()
+        with pytest.raises(BackendError, match="describes"):
+            decode_ref(ci._encoder.encode(ref), _peer(), nbytes + 1)
+
+    @pytest.mark.parametrize(
+        ("changes", "nbytes", "match"),
+        [
+            ({"offset": 65000}, 1000, "outside"),
+            ({"offset": -64}, 1000, "outside"),
+            ({"size": 999}, 1000, "size 999"),
+            ({"event": b""}, 1000, "event"),
+            ({"buffer_id": 1 << 40}, 1000, "id out of range"),
+        ],
+    )
+    def test_bad_slots_are_refused(self, changes: dict[str, Any], nbytes: int, match: str) -> None:
+        s = torch.empty(1 << 16, dtype=torch.uint8).untyped_storage()
+        ref = ci._SlotRef(
+            buffer=_share(s),
+            buffer_id=0,
+            dedicated=False,
+            offset=0,
+            size=1000,
+            event=bytes(64),
+            event_id=0,
+        )
+        bad = msgspec.structs.replace(ref, **changes)
+        with pytest.raises(BackendError, match=match):
+            decode_ref(ci._encoder.encode(bad), _peer(), nbytes)
+
+    @settings(max_examples=200, deadline=None)
+    @given(st.binary(max_size=300))
+    def test_garbage_is_only_ever_a_backend_error(self, data: bytes) -> None:
+        with contextlib.suppress(BackendError):
+            decode_ref(data, _peer(), 64)
+
+    @settings(max_examples=200, deadline=None)
+    @given(st.data())
+    def test_mutated_references_are_only_ever_backend_errors(self, data: st.DataObject) -> None:
+        ref, _ = _plan(_sample_tensors())
+        raw = bytearray(ci._encoder.encode(ref))
+        for _ in range(data.draw(st.integers(1, 4))):
+            i = data.draw(st.integers(0, len(raw) - 1))
+            raw[i] = data.draw(st.integers(0, 255))
+        with contextlib.suppress(BackendError):
+            decode_ref(bytes(raw), _peer(), packed_length(_sample_tensors()))
+
+
+def test_a_failed_share_releases_those_already_made() -> None:
+    ts = [torch.ones(4), torch.zeros(4), torch.ones(2)]
+    released: list[int] = []
+    made = iter(range(10))
+
+    def share(s: torch.UntypedStorage) -> ci._Share:
+        n = next(made)
+        if n == 2:
+            raise RuntimeError("Attempted to send CUDA tensor received from another process")
+        return _share(s, n)
+
+    with pytest.raises(RuntimeError):
+        plan_shares(ts, share, lambda s: released.append(s.counter_offset))
+    assert released == [0, 1]
+
+
+# ----------------------------------------------------------------------- routing
+
+CUDA_IPC = Candidate("cuda_ipc", CudaIpcBackend.capabilities, CudaIpcBackend.summary)
+SHM = Candidate("shm", ShmBackend.capabilities, ShmBackend.summary)
+LOCAL = Candidate("local", LocalBackend.capabilities, LocalBackend.summary)
+CANDIDATES = (INLINE, LOCAL, SHM, CUDA_IPC)
+GPU = frozenset({"cpu", "cuda"})
+
+
+def _edge(
+    locality: Locality = Locality.SAME_HOST,
+    *,
+    peer_access: bool = True,
+    dst: frozenset[str] = GPU,
+) -> Edge:
+    return Edge("thinker", "talker", locality, GPU, dst, peer_access)
+
+
+def _payload(
+    devices: tuple[str, ...] = ("cuda",), kind: str = "payload", n: int = 1 << 20
+) -> PayloadInfo:
+    return PayloadInfo(kind, n, frozenset(devices), len(devices))  # type: ignore[arg-type]
+
+
+class TestRouting:
+    def test_gpu_stages_of_one_host_use_cuda_ipc(self) -> None:
+        route = DefaultPolicy().select(_edge(), _payload(), CANDIDATES)
+        assert route.backend == "cuda_ipc" and not route.fallback
+        rejected = dict(route.rejected)
+        assert rejected["shm"] == "would stage tensors through host memory"
+        assert "same process" in rejected["local"]
+
+    def test_small_cuda_stream_chunks_too(self) -> None:
+        route = DefaultPolicy().select(_edge(), _payload(kind="stream_chunk", n=64), CANDIDATES)
+        assert route.backend == "cuda_ipc"
+        assert "cpu tensors only" in dict(route.rejected)["inline"]
+
+    def test_without_peer_access_it_falls_back_to_shm_with_the_reason(self) -> None:
+        route = DefaultPolicy().select(_edge(peer_access=False), _payload(), CANDIDATES)
+        assert route.backend == "shm" and route.fallback
+        assert "fallback" in route.reason
+        assert "cannot access each other" in dict(route.rejected)["cuda_ipc"]
+
+    def test_to_a_cpu_stage_it_falls_back(self) -> None:
+        route = DefaultPolicy().select(_edge(dst=frozenset({"cpu"})), _payload(), CANDIDATES)
+        assert route.backend == "shm" and route.fallback
+        assert "not a GPU stage" in dict(route.rejected)["cuda_ipc"]
+
+    def test_strict_mode_raises_listing_the_reasons(self) -> None:
+        with pytest.raises(NoRouteError) as exc:
+            StrictDefaultPolicy().select(_edge(peer_access=False), _payload(), CANDIDATES)
+        rejected = dict(exc.value.rejected)
+        assert "cannot access each other" in rejected["cuda_ipc"]
+        assert rejected["shm"] == "would stage tensors through host memory"
+        assert "cuda_ipc: the GPUs" in str(exc.value)
+
+    @pytest.mark.parametrize("locality", [Locality.SAME_PROCESS, Locality.CROSS_HOST])
+    def test_only_same_host(self, locality: Locality) -> None:
+        remote = Candidate("remote", Capabilities(localities=frozenset(Locality), preference=60))
+        route = DefaultPolicy().select(_edge(locality), _payload(), (*CANDIDATES, remote))
+        assert route.backend == ("local" if locality is Locality.SAME_PROCESS else "remote")
+        assert "reaches same host" in dict(route.rejected)["cuda_ipc"]
+
+    @pytest.mark.parametrize("devices", [("cpu",), ("cpu", "cuda"), ()])
+    def test_not_for_payloads_with_cpu_or_no_tensors(self, devices: tuple[str, ...]) -> None:
+        route = DefaultPolicy().select(_edge(), _payload(devices), CANDIDATES)
+        assert route.backend == "shm"
+        assert "cuda_ipc" in dict(route.rejected)
+
+    def test_a_configured_route_that_cannot_work_is_an_error(self) -> None:
+        policy = StaticTablePolicy({"talker": "cuda_ipc"})
+        with pytest.raises(NoRouteError, match="cannot access each other"):
+            policy.select(_edge(peer_access=False), _payload(), CANDIDATES)
+
+    def test_the_edge_knows_about_peer_access(self) -> None:
+        from omniwire import hostinfo
+
+        here = (DeviceInfo(kind="cpu"), DeviceInfo(kind="cuda", index=0, uuid="GPU-A"))
+        there_same = (DeviceInfo(kind="cuda", index=0, uuid="GPU-A"),)
+        there_other = (DeviceInfo(kind="cuda", index=0, uuid="GPU-B"),)
+        assert hostinfo.gpu_peer_access(here, there_same)  # the same GPU
+        assert not hostinfo.gpu_peer_access(here, there_other)  # not visible here
+        assert not hostinfo.gpu_peer_access((DeviceInfo(kind="cpu"),), there_same)
+
+
+# ----------------------------------------------------------------------- the backend, on a fake GPU
+
+
+class FakeEvent:
+    def __init__(self, handle: bytes) -> None:
+        self.handle = handle
+        self.recorded = 0
+        self.done = True
+        self.syncs = 0
+        self.block = 0.0
+
+    def record(self, stream: Any = None) -> None:
+        self.recorded += 1
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        self.syncs += 1
+        if self.block:
+            time.sleep(self.block)
+        self.done = True
+
+
+class FakeGPU:
+    """torch's CUDA IPC calls, simulated with CPU storages inside this process: a
+    share registers a storage under a handle; mapping the handle yields the same
+    memory, as another process would see it. Counts, per share, how often torch's
+    counter would be given back (by a mapped storage, or by a release)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.storages: dict[bytes, torch.UntypedStorage] = {}
+        self.made: list[ci._Share] = []
+        self.given_back: collections.Counter[int] = collections.Counter()
+        self.opened: collections.Counter[bytes] = collections.Counter()
+        self.events: dict[bytes, FakeEvent] = {}
+        self.unshareable: set[int] = set()
+        self.fail_open: set[bytes] = set()
+        self.tensor_gpu = 0
+        self.alive = True
+        m = monkeypatch
+        m.setattr(CudaIpcBackend, "availability", classmethod(lambda cls: Availability.ok()))
+        m.setattr(ci, "_cuda", SimpleNamespace(init=lambda: None))
+        m.setattr(torch.cuda, "current_device", lambda: 0)
+        m.setattr(
+            ci.hostinfo,
+            "local_devices",
+            lambda: (
+                DeviceInfo(kind="cpu"),
+                DeviceInfo(kind="cuda", index=0, uuid="GPU-A"),
+                DeviceInfo(kind="cuda", index=1, uuid="GPU-B"),
+            ),
+        )
+        m.setattr(ci.hostinfo, "pid_alive", lambda pid: self.alive)
+        m.setattr(ci, "_on_device", lambda index: contextlib.nullcontext())
+        m.setattr(ci, "_empty", lambda n, index: torch.zeros(max(n, 1), dtype=torch.uint8))
+        m.setattr(ci, "_sync_streams", lambda indices: None)
+        m.setattr(ci, "_gpu_index", lambda t: self.tensor_gpu)
+        m.setattr(ci, "_share_storage", self.share)
+        m.setattr(ci, "_open_share", self.open)
+        m.setattr(ci, "_release_share", self.release)
+        m.setattr(ci, "_new_ipc_event", self.new_event)
+        m.setattr(ci, "_open_event", self.open_event)
+        m.setattr(ci, "_record_after", lambda event, index, others=(): event.record())
+        m.setattr(ci, "_local_events", lambda devices: [])
+        self.peer_access: list[tuple[int, int]] = []
+        self.no_peer_access = False
+        m.setattr(ci, "_peer_access", self.access)
+
+    def share(self, storage: torch.UntypedStorage, uuid_of: Any) -> ci._Share:
+        if storage.data_ptr() in self.unshareable:
+            raise RuntimeError("Attempted to send CUDA tensor received from another process")
+        if storage.nbytes() == 0:
+            return ci._Share(device=uuid_of(0), handle=b"", nbytes=0, offset=0)
+        s = _share(storage, len(self.made), uuid_of(0))
+        self.made.append(s)
+        self.storages[s.handle] = storage
+        return s
+
+    def open(self, share: ci._Share, index: int) -> torch.UntypedStorage:
+        if share.handle in self.fail_open:
+            raise RuntimeError("cudaIpcOpenMemHandle failed: invalid argument")
+        if not share.handle:
+            return torch.UntypedStorage(0)
+        self.opened[share.handle] += 1
+        self.given_back[share.counter_offset] += 1  # by the mapped storage, when it dies
+        return self.storages[share.handle]
+
+    def release(self, share: ci._Share) -> None:
+        self.given_back[share.counter_offset] += 1
+
+    def new_event(self, index: int) -> tuple[FakeEvent, bytes]:
+        handle = b"E" + len(self.events).to_bytes(8, "little") + bytes(55)
+        self.events[handle] = FakeEvent(handle)
+        return self.events[handle], handle
+
+    def open_event(self, index: int, handle: bytes) -> FakeEvent:
+        return self.events[handle]
+
+    def access(self, a: int, b: int) -> bool:
+        self.peer_access.append((a, b))
+        return not self.no_peer_access
+
+    def balanced(self) -> bool:
+        """Every share torch made was given back exactly once."""
+        return all(self.given_back[s.counter_offset] == 1 for s in self.made)
+
+
+async def settle(*backends: CudaIpcBackend) -> None:
+    """Wait until the backends' clean-up threads ran what was queued so far."""
+    for b in backends:
+        done = threading.Event()
+        b._reaper.submit(done.set)
+        await anyio.to_thread.run_sync(done.wait, 5.0)
+
+
+class Pair:
+    """A sender and a receiver backend, connected as two processes of one host would be."""
+
+    def __init__(self, recv_device: int = 0, zero_copy: bool = False, **opts: Any) -> None:
+        base = {"pool_size": 1 << 20, "min_block": 4096, **opts}
+        self.a = CudaIpcBackend(BackendContext("a", 1, {**base, "device": 0}))
+        self.b = CudaIpcBackend(BackendContext("b", 2, {**base, "device": recv_device}))
+        self.zero_copy = zero_copy
+
+    async def __aenter__(self) -> Pair:
+        await self.a.start()
+        await self.b.start()
+        self.pa = PeerInfo("a", 1, PID, "h", "t", Locality.SAME_HOST, self.a.local_info())
+        self.pb = PeerInfo("b", 2, PID, "h", "t", Locality.SAME_HOST, self.b.local_info())
+        await self.a.connect(self.pb)
+        await self.b.connect(self.pa)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.a.aclose()
+        await self.b.aclose()
+
+    async def announce(self, ts: list[torch.Tensor]) -> tuple[Any, bytes, packing.PackPlan]:
+        """What the endpoint's _announce does with a ByteBackend."""
+        layout = packing.plan(ts)
+        out = await self.a.export_tensors(self.pb, ts)
+        if out is None:
+            out = await self.a.allocate(self.pb, layout.nbytes, "cuda:0")
+            assert out.buffer is not None
+            packing.pack_into(out.buffer, ts, layout)
+        info = self.a.describe(out)
+        if out.layout == "packed":
+            await self.a.publish(out, 0, layout.nbytes)
+        return out, info, layout
+
+    async def take(
+        self, info: bytes, layout: packing.PackPlan, per_tensor: bool
+    ) -> list[torch.Tensor]:
+        """What the endpoint's _fetch does (copy mode unless zero_copy)."""
+        n = layout.nbytes
+        inb = await self.b.open(self.pa, info, n)
+        try:
+            if per_tensor:
+                await self.b.fetch(inb, 0, n)
+                got = list(inb.tensors or [])
+                if not self.zero_copy:
+                    got = [t.clone() for t in got]
+            else:
+                dest = None if self.zero_copy else torch.empty(n, dtype=torch.uint8)
+                await self.b.fetch(inb, 0, n, dest)
+                source = dest if dest is not None else inb.buffer
+                assert source is not None
+                got = packing.unpack(source, layout.metas, copy=not self.zero_copy)
+        finally:
+            self.b.close(inb)
+        return got
+
+    async def round_trip(self, ts: list[torch.Tensor]) -> tuple[Any, list[torch.Tensor]]:
+        out, info, layout = await self.announce(ts)
+        got = await self.take(info, layout, out.layout == "per_tensor")
+        self.a.free(out)  # the ACK
+        return out, got
+
+
+def _check_equal(expected: list[torch.Tensor], got: list[torch.Tensor]) -> None:
+    assert len(expected) == len(got)
+    for e, g in zip(expected, got, strict=True):
+        assert_payload_equal(e, g)
+
+
+class TestBackendOnAFakeGpu:
+    def test_same_gpu_maps_the_tensors_in_place(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        fake = FakeGPU(monkeypatch)
+
+        async def run() -> None:
+            async with Pair(recv_device=0, zero_copy=True) as p:
+                ts = _sample_tensors()
+                out, info, layout = await p.announce(ts)
+                assert out.layout == "per_tensor" and out.nbytes == layout.nbytes
+                got = await p.take(info, layout, per_tensor=True)
+                _check_equal(ts, got)
+                assert got[0].data_ptr() == ts[0].data_ptr()  # the same memory: no copy
+                assert p.a.stats()["leases"] == 1  # held until the ACK
+                p.a.free(out)
+                p.a.free(out)  # idempotent
+                await settle(p.a, p.b)
+                stats = p.a.stats()
+                assert stats["leases"] == 0 and stats["sent_in_place"] == 1
+                assert stats["pool_bytes_in_use"] == 0 and p.b.stats()["open"] == 0
+                assert len(fake.made) == 4  # five storages, one of them empty (no handle)
+            assert fake.balanced()
+
+        anyio.run(run)
+
+    def test_another_gpu_goes_through_the_slot_pool(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        fake = FakeGPU(monkeypatch)
+
+        async def run() -> None:
+            async with Pair(recv_device=1) as p:
+                for i in range(3):
+                    ts = [torch.randn(100, 3), torch.arange(i + 5)]
+                    out, info, layout = await p.announce(ts)
+                    assert out.layout == "packed"
+                    event = out.handle.event
+                    before = (event.recorded, event.syncs)
+                    got = await p.take(info, layout, per_tensor=False)
+                    assert event.recorded == before[0] and event.syncs == before[1] + 1
+                    _check_equal(ts, got)
+                    p.a.free(out)
+                stats = p.a.stats()
+                assert stats["sent_pooled"] == 3 and stats["sent_in_place"] == 0
+                assert stats["pool_bytes_in_use"] == 0 and stats["leases"] == 0
+                assert stats["events"] == 1  # one interprocess event, reused
+                assert p.b.stats()["mapped_buffers"] == 1
+                # the pool is shared once for this receiver, and mapped once by it
+                assert len(fake.made) == 1 and list(fake.opened.values()) == [1]
+            await settle(p.a, p.b)
+            assert fake.balanced()
+
+        anyio.run(run)
+
+    def test_zero_copy_slots_wait_for_the_receivers_release(
+        self, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        FakeGPU(monkeypatch)
+
+        async def run() -> None:
+            async with Pair(recv_device=1, zero_copy=True, pool_size=64 << 10) as p:
+                release = p.b._release_event
+                ts = [torch.ones(32 << 10, dtype=torch.uint8)]  # half the pool
+                out, info, layout = await p.announce(ts)
+                got = await p.take(info, layout, per_tensor=False)
+                assert got[0].data_ptr() == out.buffer.data_ptr()  # a view of the slot
+                assert release.recorded == 1  # recorded when the views were released
+                release.done = False  # ... but the GPU work on them is still running
+                p.a.free(out)
+                assert p.a.stats()["quarantined_slots"] == 1
+                out2, _, _ = await p.announce(ts)  # the other half: no waiting
+                assert p.a.stats()["quarantined_slots"] == 1
+                assert out2.handle.offset != out.handle.offset
+                # the pool is full: the sender waits (off the loop) for the release
+                out3, _, _ = await p.announce(ts)
+                assert release.syncs == 1
+                assert out3.handle.offset == out.handle.offset and out3.handle.dedicated is None
+                p.a.free(out2)
+                p.a.free(out3)
+                assert p.a.stats()["pool_bytes_in_use"] == 0
+
+        anyio.run(run)
+
+    def test_copy_mode_receivers_never_hold_slots(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        FakeGPU(monkeypatch)
+
+        async def run() -> None:
+            async with Pair(recv_device=1) as p:
+                await p.round_trip([torch.ones(100)])
+                assert p.b._release_event.recorded == 0
+                assert p.a.stats()["pool_bytes_in_use"] == 0
+
+        anyio.run(run)
+
+    def test_too_big_for_the_pool_gets_a_dedicated_buffer(
+        self, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        fake = FakeGPU(monkeypatch)
+
+        async def run() -> None:
+            async with Pair(recv_device=1) as p:
+                ts = [torch.randn(600_000)]  # 2.4 MB > the 1 MiB pool
+                out, got = await p.round_trip(ts)
+                _check_equal(ts, got)
+                assert out.handle.dedicated is None  # dropped on the ACK
+                stats = p.a.stats()
+                assert stats["sent_dedicated"] == 1 and stats["dedicated_buffers"] == 0
+                assert p.b.stats()["mapped_buffers"] == 0  # mapped for that object only
+                await settle(p.a, p.b)
+            assert fake.balanced()
+
+        anyio.run(run)
+
+    def test_a_timed_out_transfer_frees_its_slot_and_others_still_work(
+        self, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        FakeGPU(monkeypatch)
+
+        async def run() -> None:
+            async with Pair(recv_device=1, timeout=0.2) as p:
+                ts = [torch.arange(1000)]
+                out, info, layout = await p.announce(ts)
+                out.handle.event.block = 1.0  # the sender's copy never "finishes" in time
+                out.handle.event.done = False
+                with pytest.raises(BackendError, match=r"did not finish within 0\.2 s"):
+                    await p.take(info, layout, per_tensor=False)
+                p.a.free(out)  # the NACK
+                assert p.a.stats()["pool_bytes_in_use"] == 0
+                assert p.b.stats()["open"] == 0
+                out.handle.event.block = 0.0
+                _, got = await p.round_trip(ts)
+                _check_equal(ts, got)
+
+        anyio.run(run)
+
+    def test_a_failed_mapping_gives_back_the_rest(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        fake = FakeGPU(monkeypatch)
+
+        async def run() -> None:
+            async with Pair(recv_device=0) as p:
+                ts = [torch.ones(3), torch.zeros(5), torch.arange(7)]
+                out, info, layout = await p.announce(ts)
+                fake.fail_open.add(fake.made[1].handle)
+                with pytest.raises(BackendError, match="cudaIpcOpenMemHandle"):
+                    await p.take(info, layout, per_tensor=True)
+                p.a.free(out)
+                await settle(p.a, p.b)
+                assert [fake.given_back[s.counter_offset] for s in fake.made] == [1, 1, 1]
+                assert p.b.stats()["open"] == 0
+                fake.fail_open.clear()
+                _, got = await p.round_trip(ts)  # the backend still works
+                _check_equal(ts, got)
+                await settle(p.a, p.b)
+            assert fake.balanced()
+
+        anyio.run(run)
+
+    def test_refused_objects_give_back_torchs_counters(
+        self, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        fake = FakeGPU(monkeypatch)
+
+        async def run() -> None:
+            async with Pair(recv_device=0) as p:
+                ts = [torch.ones(3), torch.zeros(5)]
+                out, info, layout = await p.announce(ts)
+                p.b.drop(p.pa, info, layout.nbytes)  # refused unopened (abort, full queue)
+                p.a.free(out)
+                await settle(p.a, p.b)
+                assert fake.balanced()
+            async with Pair(recv_device=1) as p:
+                out, info, layout = await p.announce([torch.ones(3)])
+                p.b.drop(p.pa, info, layout.nbytes)  # the pool was never mapped ...
+                p.a.free(out)
+                await p.b.disconnect(p.pa)  # ... so its share is given back here
+                await settle(p.a, p.b)
+            assert fake.balanced()
+
+        anyio.run(run)
+
+    def test_a_storage_torch_cannot_share_goes_through_the_pool(
+        self, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        fake = FakeGPU(monkeypatch)
+
+        async def run() -> None:
+            async with Pair(recv_device=0) as p:
+                ts = [torch.ones(3), torch.arange(5)]
+                fake.unshareable.add(ts[1].untyped_storage().data_ptr())
+                out, got = await p.round_trip(ts)
+                assert out.layout == "packed"
+                _check_equal(ts, got)
+                assert p.a.stats()["sent_pooled"] == 1
+                await settle(p.a, p.b)
+            assert fake.balanced()
+
+        anyio.run(run)
+
+    def test_the_counters_of_a_dead_receiver_are_given_back(
+        self, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        fake = FakeGPU(monkeypatch)
+
+        async def run() -> None:
+            async with Pair(recv_device=0) as p:
+                out, _, _ = await p.announce([torch.ones(3)])
+                p.a.free(out)  # the peer was lost before mapping it
+                fake.alive = False
+                await p.a.disconnect(p.pb)
+                await settle(p.a)
+                assert fake.balanced()
+                with pytest.raises(BackendError, match="did not announce"):
+                    await p.a.allocate(p.pb, 10, "cuda:0")
+
+        anyio.run(run)
+
+    def test_gpus_without_peer_access_are_refused_at_connect(
+        self, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        fake = FakeGPU(monkeypatch)
+        fake.no_peer_access = True
+
+        async def run() -> None:
+            p = Pair(recv_device=1)
+            with pytest.raises(BackendError, match="cannot access each other"):
+                await p.__aenter__()
+            await p.__aexit__(None, None, None)
+            async with Pair(recv_device=0):  # one GPU: nothing to ask
+                pass
+
+        anyio.run(run)
+        assert fake.peer_access == [(0, 1)]
+
+    def test_refuses_foreign_and_unknown_things(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        FakeGPU(monkeypatch)
+
+        async def run() -> None:
+            async with Pair(recv_device=0) as p:
+                ts = [torch.ones(3)]
+                out, info, layout = await p.announce(ts)
+                ref = decode_ref(info, p.pa, layout.nbytes)
+                assert isinstance(ref, ci._TensorsRef)
+                odd = ci._TensorsRef(
+                    shares=[msgspec.structs.replace(ref.shares[0], device="GPU-Z")],
+                    tensors=ref.tensors,
+                )
+                with pytest.raises(BackendError, match="not visible"):
+                    await p.b.open(p.pa, ci._encoder.encode(odd), layout.nbytes)
+                stranger = PeerInfo("c", 9, PID, "h", "t", Locality.SAME_HOST, b"")
+                with pytest.raises(BackendError, match="did not announce"):
+                    await p.b.open(stranger, info, layout.nbytes)
+                far = PeerInfo("d", 3, PID, "h", "t", Locality.CROSS_HOST, p.a.local_info())
+                await p.b.connect(far)
+                with pytest.raises(BackendError, match="this host only"):
+                    await p.b.open(far, info, layout.nbytes)
+                p.a.free(out)
+                await p.a.aclose()
+                with pytest.raises(BackendClosedError):
+                    await p.a.allocate(p.pb, 10, "cuda:0")
+                with pytest.raises(BackendClosedError):
+                    await p.a.export_tensors(p.pb, ts)
+
+        anyio.run(run)
+
+
+# ----------------------------------------------------------------------- scripts/gpu_check.sh
+
+
+def test_gpu_check_script_is_valid_bash() -> None:
+    subprocess.run(["bash", "-n", str(ROOT / "scripts" / "gpu_check.sh")], check=True)
+
+
+def test_gpu_check_fails_clearly_without_a_gpu() -> None:
+    if AVAILABILITY.available:
+        pytest.skip("CUDA is available here: the script would run the whole check")
+    proc = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "gpu_check.sh")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "OMNIWIRE_PYTHON": sys.executable},
+    )
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "no CUDA device" in proc.stdout
+    assert "Traceback" not in proc.stdout + proc.stderr
+
+
+def _gpu_check_module() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "scripts" / "gpu_check.py")
+    assert spec is not None and spec.loader is not None
+    mod = sys.modules.get("gpu_check")
+    if mod is None:
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules["gpu_check"] = mod  # dataclasses look their module up there
+        spec.loader.exec_module(mod)
+    return mod
+
+
+def test_gpu_check_pattern_is_device_independent() -> None:
+    gc = _gpu_check_module()
+    a = gc.pattern(100_000, 7, "cpu")
+    assert a.dtype == torch.int32 and a.numel() == 100_000
+    assert torch.equal(a, gc.pattern(100_000, 7, "cpu"))
+    assert not torch.equal(a, gc.pattern(100_000, 8, "cpu"))
+    x = torch.arange(100_000, dtype=torch.int64)
+    assert torch.equal(a, ((x * 2654435761 + 7) & 0x7FFFFFFF).to(torch.int32))
+
+
+@pytest.mark.parametrize("zero_copy", [False, True], ids=["copy", "zero-copy"])
+def test_gpu_check_round_trip_logic_on_cpu(zero_copy: bool) -> None:
+    """The script's two-process protocol (send, "got", bytes checked, "ok"), through shm."""
+    gc = _gpu_check_module()
+    results = anyio.run(gc.run_pair, 0, 0, zero_copy, (1 << 20,), True, "shm")
+    assert len(results) == 1
+    r = results[0]
+    assert r.size == 1 << 20 and len(r.seconds) == 1 and r.seconds[0] > 0
+    assert r.delivered_on == "cpu" and r.sent_via == "shm"
+
+
+# =============================================================================== GPU
+
+
+def _on_cuda(value: Any) -> Any:
+    """``value`` with every tensor and numpy array moved to the GPU (cuda_ipc carries
+    CUDA tensors only: a CPU tensor in a payload routes it elsewhere)."""
+    if isinstance(value, torch.Tensor):
+        return value.cuda()
+    if isinstance(value, np.ndarray):
+        return torch.from_numpy(np.ascontiguousarray(value)).cuda()
+    if type(value) is list:
+        return [_on_cuda(v) for v in value]
+    if type(value) is tuple:
+        return tuple(_on_cuda(v) for v in value)
+    if type(value) is dict:
+        return {k: _on_cuda(v) for k, v in value.items()}
+    return value
+
+
+class TestCudaIpc(BackendConformance):
+    """The conformance suite, with every payload on the GPU (a payload without a CUDA
+    tensor is not cuda_ipc's to carry: the routing rejects it)."""
+
+    backend = "cuda_ipc"
+    device = "cuda"
+    backend_options = {"cuda_ipc": {"pool_size": 64 << 20}}  # noqa: RUF012
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def backend_class(cls) -> type[Any]:
+        need_gpus(1)
+        return require_backend(cls.backend)
+
+    def test_payload_round_trips(self, harness: Any) -> None:
+        counter = iter(range(10**9))
+
+        @settings(
+            max_examples=self.max_examples,
+            deadline=None,
+            suppress_health_check=[
+                HealthCheck.too_slow,
+                HealthCheck.data_too_large,
+                HealthCheck.function_scoped_fixture,
+            ],
+        )
+        @given(payloads(max_leaves=8))
+        def check(value: Any) -> None:
+            value = {"v": _on_cuda(value), "anchor": torch.ones(1, device="cuda")}
+            d = harness.call(harness.round_trip, value, f"rt-{next(counter)}")
+            assert d.kind == "payload", d
+            assert d.backend == self.backend
+            assert d.payload["anchor"].is_cuda
+            assert_payload_equal(value, d.payload)
+
+        check()
+
+    def test_stream_chunks_arrive_in_order(self, harness: Any) -> None:
+        async def run() -> list[Any]:
+            rid = "stream-" + secrets.token_hex(2)
+            for i in range(8):
+                chunk = {"i": i, "t": torch.full((i + 1,), i, device="cuda")}
+                await harness.ep.stream(harness.peer, chunk, request_id=rid)
+            await harness.ep.end_stream(harness.peer, request_id=rid)
+            got = []
+            with anyio.fail_after(60):
+                while True:
+                    d = await harness.ep.receive()
+                    got.append(d)
+                    if d.kind == "stream_end":
+                        return got
+
+        chunks = [d for d in harness.call(run) if d.kind == "stream_chunk"]
+        assert [d.payload["i"] for d in chunks] == list(range(8))
+        assert all(d.backend == self.backend for d in chunks)
+        for i, d in enumerate(chunks):
+            assert torch.equal(d.payload["t"].cpu(), torch.full((i + 1,), i))
+
+    def test_nothing_left_in_flight_after_round_trips(self, harness: Any) -> None:
+        for i in range(5):
+            value = {"x": torch.arange(1000 + i, device="cuda")}
+            harness.call(harness.round_trip, value, f"flight-{i}")
+
+        async def settled() -> tuple[dict[str, tuple[int, int]], dict[str, int]]:
+            with anyio.fail_after(30):
+                await harness.ep.drain()
+                while any(a or b for a, b in harness.ep.in_flight().values()):
+                    await anyio.sleep(0.05)
+            return harness.ep.in_flight(), harness.ep.backend(self.backend).stats()
+
+        in_flight, stats = harness.call(settled)
+        assert all(v == (0, 0) for v in in_flight.values()), in_flight
+        assert stats["leases"] == 0 and stats["open"] == 0, stats
+
+    def test_credits_make_the_sender_wait(self, slow: Any) -> None:
+        async def run() -> tuple[int, float]:
+            peak = 0
+            receipts = []
+            started = time.monotonic()
+            for i in range(6):
+                payload = {"i": torch.ones(256, device="cuda")}
+                receipts.append(await slow.ep.send(slow.peer, payload, request_id=f"credit-{i}"))
+                peak = max(peak, slow.ep.in_flight()[slow.peer][0])
+            with anyio.fail_after(60):
+                for r in receipts:
+                    await r.wait()
+            return peak, time.monotonic() - started
+
+        peak, elapsed = slow.call(run)
+        assert peak <= 2
+        assert elapsed >= 0.2
+
+    def test_abort_releases_buffers_on_both_sides(self, slow: Any) -> None:
+        from omniwire.errors import RequestAbortedError
+
+        async def run() -> tuple[list[BaseException | None], dict[str, int]]:
+            rid = "abort-" + secrets.token_hex(2)
+            receipts = [
+                await slow.ep.send(
+                    slow.peer, {"t": torch.ones(1 << 16, device="cuda")}, request_id=rid
+                )
+                for _ in range(2)
+            ]
+            await slow.ep.abort(rid, "test")
+            errors: list[BaseException | None] = []
+            for r in receipts:
+                try:
+                    await r.wait(30)
+                    errors.append(None)
+                except RequestAbortedError as exc:
+                    errors.append(exc)
+            with anyio.fail_after(30):
+                while slow.ep.in_flight()[slow.peer] != (0, 0):
+                    await anyio.sleep(0.05)
+            return errors, slow.ep.backend(self.backend).stats()
+
+        errors, stats = slow.call(run)
+        assert any(isinstance(e, RequestAbortedError) for e in errors)
+        assert stats["leases"] == 0 and stats["open"] == 0, stats
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("zero_copy", [False, True], ids=["copy", "zero-copy"])
+def test_same_gpu_two_process_round_trip(zero_copy: bool) -> None:
+    need_gpus(1)
+    gc = _gpu_check_module()
+    results = anyio.run(gc.run_pair, 0, 0, zero_copy, (1 << 20, 16 << 20), True)
+    assert [r.sent_via for r in results] == ["in place", "in place"]
+    assert all(r.delivered_on.startswith("cuda") for r in results)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("zero_copy", [False, True], ids=["copy", "zero-copy"])
+def test_cross_gpu_two_process_round_trip(zero_copy: bool) -> None:
+    need_gpus(2)
+    gc = _gpu_check_module()
+    results = anyio.run(gc.run_pair, 0, 1, zero_copy, (1 << 20, 16 << 20), True)
+    assert [r.sent_via for r in results] == ["slot pool", "slot pool"]
+
+
+@pytest.mark.gpu
+def test_a_pool_that_does_not_fit_fails_at_start() -> None:
+    need_gpus(1)
+    b = CudaIpcBackend(BackendContext("big", 1, {"pool_size": 1 << 50}))
+    with pytest.raises(BackendError, match="pool_size"):
+        anyio.run(b.start)
+    anyio.run(b.aclose)
