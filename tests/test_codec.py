@@ -195,3 +195,21 @@ def test_smuggled_pickle_bytes_are_just_bytes(tmp_path: Any) -> None:
 def test_malformed_headers(header: bytes, match: str) -> None:
     with pytest.raises(WireFormatError, match=match):
         codec.loads(header, [])
+
+
+def test_loads_keeps_no_reference_to_the_tensors() -> None:
+    """Received tensors (and the receive buffers they view) are freed on last use,
+    not at the next cyclic garbage collection."""
+    import gc
+    import weakref
+
+    enc = codec.dumps({"t": torch.ones(3), "nested": (torch.ones(1),)})
+    tensors = [torch.ones(3), torch.ones(1)]
+    refs = [weakref.ref(t) for t in tensors]
+    gc.disable()
+    try:
+        value = codec.loads(enc.header, tensors)
+        del value, tensors
+        assert all(r() is None for r in refs)
+    finally:
+        gc.enable()

@@ -358,6 +358,12 @@ def loads(
         raise WireFormatError("payload header is nested too deeply") from None
     except Exception as exc:
         raise WireFormatError(f"malformed payload header: {exc}") from None
+    finally:
+        # The decoder's ext_hook is a bound method of the loader: a reference cycle.
+        # Break it now, or the tensors (and the receive buffers they view) would
+        # wait for the cyclic garbage collector instead of being freed on last use.
+        loader.decoder = _plain_decoder
+        loader.tensors = ()
     if _depth(value) > MAX_HEADER_DEPTH:
         raise WireFormatError(f"payload header nests deeper than {MAX_HEADER_DEPTH} levels")
     return value

@@ -111,6 +111,7 @@ class ControlPlane:
         self._push: dict[str, zmq.asyncio.Socket] = {}
         self._monitors: dict[str, zmq.asyncio.Socket] = {}
         self._subscribed: set[str] = set()
+        self._waiting: dict[str, int] = {}  # async sends in progress, per peer
         self._closed = False
 
     def _options(self, sock: zmq.Socket[Any], *, server: bool) -> None:
@@ -223,16 +224,24 @@ class ControlPlane:
         """
         if self._closed:
             raise EndpointClosedError("control plane is closed")
-        await self._push[peer].send(frame, copy=len(frame) < 65536)
+        if self.send_nowait(peer, frame):
+            return
+        sock = self._push[peer]
+        self._waiting[peer] = self._waiting.get(peer, 0) + 1
+        try:
+            await sock.send(frame, copy=len(frame) < 65536)
+        finally:
+            self._waiting[peer] -= 1
 
     def send_nowait(self, peer: str, frame: bytes) -> bool:
         """Send one frame now if ZeroMQ can queue it without waiting; False if not
-        (the caller falls back to :meth:`send`). For ACKs sent from synchronous code."""
+        (then :meth:`send` waits). Skipped while an earlier send to the peer waits,
+        so frames to a peer never overtake each other."""
         sock = self._push.get(peer)
-        if sock is None or self._closed:
+        if sock is None or self._closed or self._waiting.get(peer):
             return False
         try:
-            zmq.Socket.send(sock, frame, zmq.DONTWAIT)
+            zmq.Socket.send(sock, frame, zmq.DONTWAIT)  # the plain socket: no future
         except zmq.Again:
             return False
         return True
@@ -246,7 +255,10 @@ class ControlPlane:
         """The next frame any peer pushed to this endpoint."""
         if self._pull is None or self._closed:
             raise EndpointClosedError("control plane is closed")
-        return await self._pull.recv()
+        try:  # frames already queued are taken without a future; this is the only reader
+            return zmq.Socket.recv(self._pull, zmq.DONTWAIT)
+        except zmq.Again:
+            return await self._pull.recv()
 
     async def recv_abort(self) -> bytes:
         """The next abort frame any peer published."""
