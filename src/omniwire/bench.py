@@ -227,7 +227,7 @@ async def _measure(
     # warm up: fault in arenas, pools and the receiver's buffers for this size
     for _ in range(3):
         r = await ep.send(peer, payload, request_id="warm", metadata={"echo": True})
-        await ep.receive()
+        (await ep.receive()).release()
         await r.wait()
     rtts = []
     for i in range(n_rtt):
