@@ -88,6 +88,27 @@ def derive_abort_address(address: str) -> str:
     raise OmniwireError(f"unsupported control address {address!r}: use ipc:// or tcp://")
 
 
+def primary_ip() -> str:
+    """This host's address as others see it (the route to a public address), or loopback."""
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect(("192.0.2.1", 9))  # no packet is sent: this only picks a route
+            return str(probe.getsockname()[0])
+    except OSError:
+        return "127.0.0.1"
+
+
+def advertised(address: str) -> str:
+    """A bound address as peers should dial it: a wildcard host becomes this host's IP."""
+    if address.startswith("tcp://"):
+        host, _, port = address[len("tcp://") :].rpartition(":")
+        if host in ("0.0.0.0", "*", "[::]", "::"):
+            return f"tcp://{primary_ip()}:{port}"
+    return address
+
+
 class ControlPlane:
     """Sockets of one endpoint. Not thread-safe: use it from the event loop."""
 
@@ -160,8 +181,8 @@ class ControlPlane:
         except zmq.ZMQError as exc:
             self.close()
             raise OmniwireError(f"cannot bind control address {self.address!r}: {exc}") from exc
-        self.address = self._pull.getsockopt_string(zmq.LAST_ENDPOINT)
-        self.abort_address = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.address = advertised(self._pull.getsockopt_string(zmq.LAST_ENDPOINT))
+        self.abort_address = advertised(self._pub.getsockopt_string(zmq.LAST_ENDPOINT))
 
     def connect(self, peer: str, address: str) -> zmq.asyncio.Socket:
         """Open (once) the PUSH socket to a peer, and its monitor. Returns the monitor."""

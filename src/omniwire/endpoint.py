@@ -157,9 +157,9 @@ def _default_address(name: str) -> str:
 
 
 def _host_of(address: str) -> str:
+    """The host of an advertised control address (ipc:// means this host: loopback)."""
     if address.startswith("tcp://"):
-        host = address[len("tcp://") :].rsplit(":", 1)[0].strip("[]")
-        return "127.0.0.1" if host in ("*", "0.0.0.0") else host
+        return address[len("tcp://") :].rsplit(":", 1)[0].strip("[]")
     return "127.0.0.1"
 
 
@@ -331,18 +331,18 @@ class Endpoint:
             raise OmniwireError(f"endpoint {self.name!r} was already started")
         self._state = "open"
         try:
+            await self._control.start()
             for name in self._choose_backends():
                 cls = load_backend(name)
                 ctx = BackendContext(
                     endpoint=self.name,
                     instance=self.instance,
                     options=self._backend_options.get(name, {}),
-                    host=_host_of(self._address),
+                    host=_host_of(self._control.address),  # as peers dial us
                 )
                 backend = cls(ctx)
                 await backend.start()
                 self._backends[name] = backend
-            await self._control.start()
             self._tg = anyio.create_task_group()
             await self._tg.__aenter__()
         except BaseException:
