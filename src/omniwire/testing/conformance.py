@@ -139,7 +139,7 @@ class PeerProcess:
         self._close_pipe()
 
     def _close_pipe(self) -> None:
-        if self.proc.stdout is not None:
+        if self.proc.stdout is not None and not self.proc.stdout.closed:
             self.output = self.proc.stdout.read()
             self.proc.stdout.close()
 

@@ -54,6 +54,8 @@ def _u64(field: str, value: int) -> None:
 
 
 def _text(field: str, value: str, limit: int, *, empty_ok: bool = False) -> None:
+    if len(value) > 0 and 4 * len(value) <= limit:
+        return  # a UTF-8 character is at most 4 bytes: within the limit, not empty
     size = len(value.encode("utf-8", "surrogatepass"))
     if size > limit:
         raise ValueError(f"{field} is {size} bytes long; the limit is {limit}")

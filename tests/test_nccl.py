@@ -1,0 +1,448 @@
+"""The ``nccl`` backend: the conformance suite (gloo on CPU, both channels) and the
+pairing properties a two-sided engine needs.
+
+- concurrent sends on one edge never cross;
+- an object refused early (an abort NACKs queued objects out of order) or closed
+  before it was fetched is still consumed, so later objects are not stalled;
+- peer loss fails pending work at once; a reconnect or a restarted peer gets a new
+  process group;
+- the global default process group is never initialized.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import anyio
+import pytest
+import torch
+import torch.distributed
+
+from omniwire import Endpoint
+from omniwire.backends.base import BackendContext, Locality, PeerInfo
+from omniwire.errors import BackendError, OmniwireError, RequestAbortedError
+from omniwire.testing import BackendConformance, PeerProcess, require_backend
+from omniwire.testing.conformance import ipc_address
+
+pytestmark = pytest.mark.engine
+
+ORDERED = {"nccl": {"ordered": True}}
+
+
+class TestNccl(BackendConformance):
+    """CPU objects on the tagged gloo channel."""
+
+    backend = "nccl"
+
+
+class TestNcclOrdered(BackendConformance):
+    """CPU objects on the ordered channel: the code path NCCL takes for CUDA objects."""
+
+    backend = "nccl"
+    backend_options = ORDERED
+    max_examples = 6
+
+
+@pytest.fixture(scope="module")
+def nccl_class() -> type[Any]:
+    return require_backend("nccl")
+
+
+def _pattern(seed: int, n: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)
+
+
+# -- bare backend instances in one process ------------------------------------------------
+
+
+@asynccontextmanager
+async def _bare_pair(cls: type[Any], options: dict[str, Any]) -> AsyncIterator[tuple[Any, ...]]:
+    """Two connected backend instances; yields (a, b, b as a's peer, a as b's peer)."""
+    tag = secrets.token_hex(3)
+    a = cls(BackendContext(f"bare-a-{tag}", secrets.randbits(32), options))
+    b = cls(BackendContext(f"bare-b-{tag}", secrets.randbits(32), options))
+    await a.start()
+    await b.start()
+
+    def peer_of(x: Any) -> PeerInfo:
+        return PeerInfo(
+            x.ctx.endpoint,
+            x.ctx.instance,
+            os.getpid(),
+            "h",
+            "t",
+            Locality.SAME_HOST,
+            x.local_info(),
+        )
+
+    pb, pa = peer_of(b), peer_of(a)
+    await a.connect(pb)
+    await b.connect(pa)
+    try:
+        yield a, b, pb, pa
+    finally:
+        await a.aclose()
+        await b.aclose()
+
+
+async def _publish(a: Any, peer: PeerInfo, seed: int, n: int) -> tuple[Any, bytes, torch.Tensor]:
+    out = await a.allocate(peer, n, "cpu")
+    data = _pattern(seed, n)
+    out.buffer.copy_(data)
+    info = a.describe(out)
+    await a.publish(out, 0, n)
+    return out, info, data
+
+
+async def _settle(a: Any, b: Any, sends: int, consumed: int) -> None:
+    """Wait until ``a`` saw ``sends`` sends complete and ``b`` received every byte ``a``
+    sent (``consumed`` objects of them into scratch); nothing is left held."""
+
+    def settled() -> bool:
+        sa, sb = a.stats(), b.stats()
+        return (
+            sa["sends_completed"] >= sends
+            and sb["objects_consumed"] >= consumed
+            and sb["bytes_received"] == sa["bytes_sent"]
+            and not sa["leases"]
+            and not sb["open"]
+        )
+
+    with anyio.move_on_after(30):
+        while not settled():
+            await anyio.sleep(0.02)
+    assert settled(), (a.stats(), b.stats())
+
+
+@pytest.mark.parametrize("options", [{}, {"ordered": True}], ids=["tagged", "ordered"])
+def test_refused_and_unfetched_objects_do_not_stall_later_ones(
+    nccl_class: type[Any], options: dict[str, Any]
+) -> None:
+    """Published 0..4; the receiver drops 2 before opening 0 (as an abort does), closes 1
+    unfetched, then fetches 0, 3 and 4: each intact, and every send completes."""
+
+    async def run() -> None:
+        async with _bare_pair(nccl_class, options) as (a, b, pb, pa):
+            sizes = [1000, 3 << 20, 5000, 70_000, 2 << 20]
+            sent = [await _publish(a, pb, i, n) for i, n in enumerate(sizes)]
+            b.drop(pa, sent[2][1], sizes[2])
+            got = {}
+            for i in (0, 1, 3, 4):
+                inb = await b.open(pa, sent[i][1], sizes[i])
+                if i != 1:
+                    dest = torch.empty(sizes[i], dtype=torch.uint8)
+                    with anyio.fail_after(30):
+                        await b.fetch(inb, 0, sizes[i], dest)
+                    got[i] = dest
+                b.close(inb)
+            for i, dest in got.items():
+                assert torch.equal(dest, sent[i][2]), f"object {i} arrived corrupted"
+            for out, _, _ in sent:
+                a.free(out)
+            await _settle(a, b, sends=5, consumed=2)
+            assert not torch.distributed.is_initialized()
+
+    anyio.run(run)
+
+
+def test_zero_copy_fetch_and_partial_ranges(nccl_class: type[Any]) -> None:
+    async def run() -> None:
+        async with _bare_pair(nccl_class, {}) as (a, b, pb, pa):
+            out, info, data = await _publish(a, pb, 7, 1 << 20)
+            inb = await b.open(pa, info, 1 << 20)
+            with anyio.fail_after(30):
+                await b.fetch(inb, 0, 1 << 20)  # no dest: into inb.buffer
+            assert torch.equal(inb.buffer, data)
+            dest = torch.zeros(1 << 20, dtype=torch.uint8)
+            await b.fetch(inb, 100, 5000, dest)  # later ranges come from the same bytes
+            assert torch.equal(dest[100:5000], data[100:5000])
+            b.close(inb)
+            b.close(inb)  # idempotent
+            a.free(out)
+            a.free(out)
+            await _settle(a, b, sends=1, consumed=0)
+
+    anyio.run(run)
+
+
+def test_disconnect_fails_pending_fetch_and_reconnect_builds_a_new_group(
+    nccl_class: type[Any],
+) -> None:
+    async def run() -> None:
+        async with _bare_pair(nccl_class, {}) as (a, b, pb, pa):
+            out, info, _ = await _publish(a, pb, 1, 4096)
+            inb = await b.open(pa, info, 4096)
+            dest = torch.empty(4096, dtype=torch.uint8)
+            await b.fetch(inb, 0, 4096, dest)
+            b.close(inb)
+            a.free(out)
+            # An object the sender never publishes: its fetch waits — until the peer is lost.
+            lost = await a.allocate(pb, 512, "cpu")
+            inb = await b.open(pa, a.describe(lost), 512)
+            failure: list[BaseException] = []
+
+            async def fetch() -> None:
+                try:
+                    await b.fetch(inb, 0, 512, torch.empty(512, dtype=torch.uint8))
+                except BackendError as exc:
+                    failure.append(exc)
+
+            with anyio.fail_after(10):
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(fetch)
+                    await anyio.sleep(0.2)
+                    await b.disconnect(pa)
+            assert failure, "the pending fetch did not fail when the peer was lost"
+            b.close(inb)
+            a.free(lost)
+            await a.disconnect(pb)
+            with pytest.raises(BackendError):
+                await a.allocate(pb, 8, "cpu")
+            # Both sides meet again: a fresh generation of the group carries data.
+            await a.connect(pb)
+            await b.connect(pa)
+            out, info, data = await _publish(a, pb, 2, 3 << 20)
+            inb = await b.open(pa, info, 3 << 20)
+            dest = torch.empty(3 << 20, dtype=torch.uint8)
+            with anyio.fail_after(30):
+                await b.fetch(inb, 0, 3 << 20, dest)
+            assert torch.equal(dest, data)
+            assert a.stats()["links_built"] >= 2
+            b.close(inb)
+            a.free(out)
+
+    anyio.run(run)
+
+
+def test_malformed_hello_info_is_a_backend_error(nccl_class: type[Any]) -> None:
+    async def run() -> None:
+        b = nccl_class(BackendContext("hello-b", 1, {}))
+        await b.start()
+        try:
+            for info in (b"", b"\xc1", b"\x81\xa4host\xa1x"):
+                peer = PeerInfo("x", 2, os.getpid(), "h", "t", Locality.SAME_HOST, info)
+                with pytest.raises(BackendError):
+                    await b.connect(peer)
+        finally:
+            await b.aclose()
+
+    anyio.run(run)
+
+
+def test_raw_bench_measures_two_processes(nccl_class: type[Any]) -> None:
+    from omniwire.backends.nccl import raw_bench
+
+    result = raw_bench([1 << 16, 1 << 20], 2)
+    assert set(result) == {1 << 16, 1 << 20}
+    assert all(v > 0 for v in result.values())
+
+
+# -- endpoints --------------------------------------------------------------------------
+
+
+@asynccontextmanager
+async def _endpoints(options: dict[str, Any], **b_kw: Any) -> AsyncIterator[tuple[Endpoint, ...]]:
+    """Two endpoints in this process, told they are on different hosts (nccl does not
+    serve same-process edges), with every edge routed over nccl."""
+    tag = secrets.token_hex(3)
+    na, nb = f"ep-a-{tag}", f"ep-b-{tag}"
+    b = Endpoint(
+        nb,
+        address=ipc_address(nb),
+        backends=["nccl"],
+        backend_options=options,
+        routes={na: "nccl"},
+        host_id=f"host-b-{tag}",
+        **b_kw,
+    )
+    async with b:
+        a = Endpoint(
+            na,
+            address=ipc_address(na),
+            peers={nb: b.address},
+            backends=["nccl"],
+            backend_options=options,
+            routes={nb: "nccl"},
+            host_id=f"host-a-{tag}",
+        )
+        async with a:
+            await a.wait_peer(nb, 30)
+            await b.wait_peer(na, 30)
+            yield a, b
+
+
+@pytest.mark.parametrize("options", [{}, ORDERED], ids=["tagged", "ordered"])
+def test_abort_refuses_queued_objects_out_of_order_without_stalling(
+    nccl_class: type[Any], options: dict[str, Any]
+) -> None:
+    """The receiver holds one delivery; r2a waits for room, r3 and r2b queue behind it.
+    Aborting r2 refuses r2b at once and r2a next — before r3, which was published
+    between them. r3 and a later r4 still arrive intact."""
+
+    async def run() -> None:
+        async with _endpoints(options, receive_buffer=1) as (a, b):
+            nb = b.name
+            r1 = await a.send(nb, {"t": _pattern(1, 300_000)}, request_id="r1")
+            await r1.wait(30)
+            doomed = [await a.send(nb, {"t": _pattern(2, 200_000)}, request_id="r2")]
+            r3 = await a.send(nb, {"t": _pattern(3, 1 << 20)}, request_id="r3")
+            doomed.append(await a.send(nb, {"t": _pattern(4, 100_000)}, request_id="r2"))
+            with anyio.fail_after(30):
+                while b.in_flight()[a.name][1] < 3:
+                    await anyio.sleep(0.02)
+            await a.abort("r2", "test")
+            for receipt in doomed:
+                with pytest.raises(RequestAbortedError):
+                    await receipt.wait(30)
+            got: dict[str, Any] = {}
+            with anyio.fail_after(30):
+                while "r3" not in got:
+                    d = await b.receive()
+                    if d.kind == "payload":
+                        got[d.request_id] = d.payload["t"].clone()
+                    d.release()
+                await r3.wait(30)
+                r4 = await a.send(nb, {"t": _pattern(5, 2 << 20)}, request_id="r4")
+                d = await b.receive()
+                assert d.request_id == "r4"
+                assert torch.equal(d.payload["t"], _pattern(5, 2 << 20))
+                d.release()
+                await r4.wait(30)
+            assert torch.equal(got["r1"], _pattern(1, 300_000))
+            assert torch.equal(got["r3"], _pattern(3, 1 << 20))
+            assert "r2" not in got
+            # Every byte of the refused objects was received too (r2b into scratch; r2a
+            # into scratch or, if its fetch had begun, into the cancelled fetch's buffer)
+            # and every send completed.
+            await _settle(a.backend("nccl"), b.backend("nccl"), sends=5, consumed=1)
+        assert not torch.distributed.is_initialized()
+
+    anyio.run(run)
+
+
+def test_zero_copy_endpoint(nccl_class: type[Any]) -> None:
+    async def run() -> None:
+        async with _endpoints({}, zero_copy=True) as (a, b):
+            value = {"x": _pattern(9, 5 << 20), "y": torch.arange(10.0)}
+            receipt = await a.send(b.name, value, request_id="zc")
+            with anyio.fail_after(30):
+                d = await b.receive()
+                assert torch.equal(d.payload["x"], value["x"])
+                assert torch.equal(d.payload["y"], value["y"])
+                assert b.backend("nccl").stats()["open"] == 1  # until released
+                d.release()
+                await receipt.wait(30)
+            assert b.backend("nccl").stats()["open"] == 0
+
+    anyio.run(run)
+
+
+# -- two processes -------------------------------------------------------------------------
+
+
+@asynccontextmanager
+async def _with_peer(options: dict[str, Any]) -> AsyncIterator[tuple[Endpoint, PeerProcess]]:
+    tag = secrets.token_hex(3)
+    me, other = f"tester-{tag}", f"peer-{tag}"
+    args = ["--mode", "echo", "--backends", "nccl"]
+    args += ["--backend-options", json.dumps(options), "--routes", json.dumps({me: "nccl"})]
+    proc = PeerProcess(other, ipc_address(other), *args)
+    try:
+        ep = Endpoint(
+            me,
+            address=ipc_address(me),
+            peers={other: proc.address},
+            backends=["nccl"],
+            backend_options=options,
+            routes={other: "nccl"},
+        )
+        async with ep:
+            await ep.wait_peer(other, 30)
+            yield ep, proc
+    finally:
+        code = proc.stop()
+        assert code == 0, f"peer process exited with {code}: {proc.output}"
+
+
+@pytest.mark.parametrize("options", [{}, ORDERED], ids=["tagged", "ordered"])
+def test_concurrent_sends_on_one_edge_never_cross(
+    nccl_class: type[Any], options: dict[str, Any]
+) -> None:
+    sizes = [17, 4096, 1 << 20, 100, 3 << 20, 65_536, 1, 2 << 20, 999, 300_000] * 3
+
+    async def run() -> None:
+        async with _with_peer(options) as (ep, proc):
+            peer = proc.name
+
+            async def one(i: int) -> None:
+                await ep.send(peer, {"i": i, "t": _pattern(i, sizes[i])}, request_id=f"c{i}")
+
+            with anyio.fail_after(60):
+                async with anyio.create_task_group() as tg:
+                    for i in range(len(sizes)):
+                        tg.start_soon(one, i)
+                seen = set()
+                while len(seen) < len(sizes):
+                    d = await ep.receive()
+                    assert d.kind == "payload", d
+                    i = d.payload["i"]
+                    assert d.request_id == f"c{i}"
+                    assert torch.equal(d.payload["t"], _pattern(i, sizes[i])), f"object {i} crossed"
+                    seen.add(i)
+                    d.release()
+
+    anyio.run(run)
+
+
+def test_restarted_peer_gets_a_new_process_group(nccl_class: type[Any]) -> None:
+    """A peer killed and restarted under the same name and address is a new instance:
+    the old group is torn down and a new one carries the next object."""
+    tag = secrets.token_hex(3)
+    me, other = f"tester-{tag}", f"peer-{tag}"
+    address = ipc_address(other)
+    args = ["--mode", "echo", "--backends", "nccl", "--backend-options", "{}"]
+    args += ["--routes", json.dumps({me: "nccl"})]
+
+    async def round_trip(ep: Endpoint, rid: str, seed: int) -> None:
+        while True:  # until the (new) peer completed its Hello
+            try:
+                receipt = await ep.send(other, {"t": _pattern(seed, 2 << 20)}, request_id=rid)
+                break
+            except OmniwireError:
+                await anyio.sleep(0.1)
+        d = await ep.receive()
+        assert d.request_id == rid
+        assert torch.equal(d.payload["t"], _pattern(seed, 2 << 20))
+        d.release()
+        await receipt.wait(30)
+
+    async def run(procs: list[PeerProcess]) -> None:
+        ep = Endpoint(
+            me,
+            address=ipc_address(me),
+            peers={other: procs[0].address},
+            backends=["nccl"],
+            routes={other: "nccl"},
+        )
+        async with ep:
+            with anyio.fail_after(60):
+                await ep.wait_peer(other, 30)
+                await round_trip(ep, "before", 1)
+                procs[0].kill()  # a crash: its process group dies with it
+                procs.append(PeerProcess(other, address, *args))
+                await round_trip(ep, "after", 2)
+            assert ep.backend("nccl").stats()["links_built"] >= 2
+
+    procs = [PeerProcess(other, address, *args)]
+    try:
+        anyio.run(run, procs)
+    finally:
+        # (PeerProcess.stop() after kill() would read the pipe kill() closed.)
+        codes = [p.stop() if p.proc.poll() is None else p.proc.returncode for p in procs]
+    assert len(procs) == 2 and codes[1] == 0, f"restarted peer exited with {codes[1]}"
