@@ -271,10 +271,11 @@ def dumps(value: Any, *, allow_pickle: bool = False) -> Encoded:
 
 
 class _Loader:
+    """The state of one :func:`loads` call, which the shared decoder's ext hook reads."""
+
     def __init__(self, tensors: Sequence[torch.Tensor], allow_pickle: bool) -> None:
         self.tensors = tensors
         self.allow_pickle = allow_pickle
-        self.decoder = msgspec.msgpack.Decoder(ext_hook=self.ext)
 
     def index(self, data: memoryview) -> int:
         index = _plain_decoder.decode(data)
@@ -286,7 +287,7 @@ class _Loader:
 
     def ext(self, code: int, data: memoryview) -> Any:
         if code == EXT_TUPLE:
-            items = self.decoder.decode(data)
+            items = _header_decoder.decode(data)
             if type(items) is not list:
                 raise WireFormatError("tuple extension does not hold an array")
             return tuple(items)
@@ -298,7 +299,7 @@ class _Loader:
                 tensor = tensor.cpu()
             return tensor.numpy()
         if code == EXT_STRUCT:
-            return self.struct(self.decoder.decode(data))
+            return self.struct(_header_decoder.decode(data))
         if code == EXT_PICKLE:
             if not self.allow_pickle:
                 raise WireFormatError(
@@ -319,6 +320,19 @@ class _Loader:
             return cls(**fields)
         except Exception as exc:
             raise WireFormatError(f"cannot rebuild {name!r}: {exc}") from None
+
+
+# One decoder for every header; its ext hook finds the call it serves here. Decoding
+# never awaits, so a thread-local is enough, and it leaves no reference cycle behind.
+_current = threading.local()
+
+
+def _ext_hook(code: int, data: memoryview) -> Any:
+    loader: _Loader = _current.loader
+    return loader.ext(code, data)
+
+
+_header_decoder: Final = msgspec.msgpack.Decoder(ext_hook=_ext_hook)
 
 
 def _depth(value: Any) -> int:
@@ -349,9 +363,10 @@ def loads(
             unregistered type, nesting deeper than ``MAX_HEADER_DEPTH``, or a
             pickled object while ``allow_pickle`` is False (never unpickled).
     """
-    loader = _Loader(tensors, allow_pickle)
+    previous = getattr(_current, "loader", None)
+    _current.loader = _Loader(tensors, allow_pickle)
     try:
-        value = loader.decoder.decode(header)
+        value = _header_decoder.decode(header)
     except WireFormatError:
         raise
     except RecursionError:
@@ -359,11 +374,7 @@ def loads(
     except Exception as exc:
         raise WireFormatError(f"malformed payload header: {exc}") from None
     finally:
-        # The decoder's ext_hook is a bound method of the loader: a reference cycle.
-        # Break it now, or the tensors (and the receive buffers they view) would
-        # wait for the cyclic garbage collector instead of being freed on last use.
-        loader.decoder = _plain_decoder
-        loader.tensors = ()
+        _current.loader = previous  # holds no tensor once the call returns
     if _depth(value) > MAX_HEADER_DEPTH:
         raise WireFormatError(f"payload header nests deeper than {MAX_HEADER_DEPTH} levels")
     return value

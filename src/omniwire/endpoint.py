@@ -21,6 +21,7 @@ queues. Blocking engine calls and large copies run in worker threads.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import itertools
 import logging
@@ -28,6 +29,7 @@ import os
 import secrets
 import sys
 import tempfile
+import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Mapping, Sequence
@@ -137,6 +139,9 @@ class _Peer:
     chunk_ids: dict[str, int] = field(default_factory=dict)
     send_lock: anyio.Lock = field(default_factory=anyio.Lock)
     current: tuple[str, anyio.CancelScope] | None = None
+    #: A message of this peer is being taken (by its worker or the receive loop).
+    busy: bool = False
+    route_cache: dict[PayloadInfo, Route] = field(default_factory=dict)
     down_since: float | None = None
     lost_reason: str = ""
     last_refusal: str = ""
@@ -148,6 +153,20 @@ class _Peer:
 
 
 _ABORT_MEMORY = 65536  # remembered aborted request ids
+
+
+@contextlib.asynccontextmanager
+async def _locked(lock: anyio.Lock) -> AsyncIterator[None]:
+    """``async with lock``, without anyio's scheduling checkpoint when it is free:
+    an uncontended send must not cost a trip around the event loop."""
+    try:
+        lock.acquire_nowait()
+    except anyio.WouldBlock:
+        await lock.acquire()
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 def _default_address(name: str) -> str:
@@ -198,8 +217,9 @@ class Endpoint:
         auth_key: a shared secret; when set, the control plane runs ZMQ CURVE and
             refuses peers without the same key. Default: ``$OMNIWIRE_AUTH_KEY``.
         host_id: override the host identity (tests simulate hosts with it).
-        progressive_chunk: large objects are announced in pieces of this size so
-            the receiver copies while the sender packs (0 disables).
+        progressive_chunk: large objects are announced in pieces of this size so a
+            copy-mode receiver copies while the sender packs (0 disables; objects to
+            zero-copy receivers are never split).
     """
 
     def __init__(
@@ -224,7 +244,7 @@ class Endpoint:
         allow_pickle: bool = False,
         auth_key: str | bytes | None = None,
         host_id: str | None = None,
-        progressive_chunk: int = 8 << 20,
+        progressive_chunk: int = 16 << 20,
     ) -> None:
         wire.HelloMessage(  # validates the name early, with the wire's own rules
             endpoint=name,
@@ -272,6 +292,10 @@ class Endpoint:
         self._pool = RecvPool()
         self._outbox: deque[tuple[str, bytes]] = deque()
         self._outbox_event = anyio.Event()
+        self._acks: deque[tuple[str, bytes]] = deque()
+        self._acks_scheduled = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop_thread = 0
         self._aborted: OrderedDict[str, float] = OrderedDict()
         self._send_scopes: dict[str, set[anyio.CancelScope]] = {}
         self._tg: TaskGroup | None = None
@@ -330,6 +354,8 @@ class Endpoint:
         if self._state != "new":
             raise OmniwireError(f"endpoint {self.name!r} was already started")
         self._state = "open"
+        self._loop = asyncio.get_running_loop()  # zmq.asyncio needs asyncio anyway
+        self._loop_thread = threading.get_ident()
         try:
             await self._control.start()
             for name in self._choose_backends():
@@ -369,6 +395,7 @@ class Endpoint:
         self._queue.clear()
         for peer in list(self._peers.values()):
             self._fail_outbound(peer, EndpointClosedError(f"endpoint {self.name!r} closed"))
+        self._flush_acks()
         with anyio.move_on_after(1.0, shield=True):
             await self._flush_outbox()
         if self._tg is not None:
@@ -444,7 +471,9 @@ class Endpoint:
             endpoint=self.name,
             wire_min=(wire.WIRE_VERSION[0], 0),
             wire_max=wire.WIRE_VERSION,
-            features=("pickle",) if self.allow_pickle else (),
+            features=tuple(
+                f for f, on in (("pickle", self.allow_pickle), ("zero_copy", self.zero_copy)) if on
+            ),
             host_id=self.host_id,
             hostname=hostinfo.hostname(),
             pid=os.getpid(),
@@ -570,6 +599,7 @@ class Endpoint:
                 peer.info.pop(n, None)
                 peer.candidates = tuple(c for c in peer.candidates if c.name != n)
         self._control.subscribe(peer.name, hello.abort_address)
+        peer.route_cache = {}  # new edge, new candidates
         peer.lost_reason = ""
         peer.ready.set()
         peer.inbox_event.set()
@@ -583,7 +613,41 @@ class Endpoint:
             except EndpointClosedError:
                 return
             self._count("frames_received")
-            self._on_frame(frame, channel="control")
+            peer = self._on_frame(frame, channel="control")
+            if peer is None:
+                continue
+            if self._can_take_here(peer):
+                # The fast path: nothing of this object waits on I/O or on another
+                # frame, so take it now instead of waking the peer's worker.
+                msg = peer.inbox.popleft()
+                peer.busy = True
+                try:
+                    await self._take(peer, msg)
+                finally:
+                    peer.busy = False
+            else:
+                peer.inbox_event.set()
+
+    def _can_take_here(self, peer: _Peer) -> bool:
+        """Whether the only queued message of ``peer`` can be taken without waiting."""
+        if peer.busy or len(peer.inbox) != 1 or not peer.ready.is_set():
+            return False
+        ref = peer.inbox[0].data_ref
+        if ref is None:
+            return True  # inline chunk, stream end, error
+        backend = self._backends.get(ref.backend)
+        if isinstance(backend, ObjectBackend):
+            return True
+        obj = peer.session.inbound.get(ref.object_id)
+        return (
+            isinstance(backend, ByteBackend)
+            and backend.takes_small_objects_inline
+            and obj is not None
+            and obj.ready == obj.length
+            and ref.layout == "packed"
+            and ref.ref.length < THREAD_COPY_THRESHOLD
+            and self._budget.would_admit(0 if self.zero_copy else ref.ref.length)
+        )
 
     async def _abort_loop(self) -> None:
         while True:
@@ -593,7 +657,8 @@ class Endpoint:
                 return
             self._on_frame(frame, channel="abort")
 
-    def _on_frame(self, frame: bytes, channel: str) -> None:
+    def _on_frame(self, frame: bytes, channel: str) -> _Peer | None:
+        """Decode and apply one frame; returns the peer whose inbox got a DataReady."""
         try:
             msg = wire.decode(frame)
         except UnsupportedVersionError as exc:
@@ -602,30 +667,31 @@ class Endpoint:
                 if not peer.ready.is_set():
                     peer.last_refusal = f"refused a frame: {exc}"
             log.warning("%s refused a frame: %s", self.name, exc)
-            return
+            return None
         except WireFormatError as exc:
             self._count("decode_errors")
             log.warning("%s dropped a malformed frame (%d bytes): %s", self.name, len(frame), exc)
-            return
+            return None
         if channel == "abort" and not isinstance(msg, wire.AbortMessage):
             self._count("protocol_errors")
             log.warning("%s: %s on the abort channel ignored", self.name, type(msg).__name__)
-            return
+            return None
         try:
-            self._dispatch(msg)
+            return self._dispatch(msg)
         except ProtocolError as exc:
             self._count("protocol_errors")
             log.warning("%s: %s", self.name, exc)
+            return None
 
-    def _dispatch(self, msg: wire.Message) -> None:
+    def _dispatch(self, msg: wire.Message) -> _Peer | None:
         if isinstance(msg, wire.HelloMessage):
             self._on_hello(msg)
-            return
+            return None
         peer = self._peers.get(msg.from_stage)
         if peer is None:
             raise RemoteProtocolError(f"{type(msg).__name__} from unknown peer {msg.from_stage!r}")
         if isinstance(msg, wire.DataReadyMessage):
-            self._on_data_ready(peer, msg)
+            return peer if self._on_data_ready(peer, msg) else None
         elif isinstance(msg, wire.DataProgressMessage):
             obj = peer.session.on_progress(msg)
             obj.data.progressed.set()
@@ -634,6 +700,7 @@ class Endpoint:
         elif isinstance(msg, wire.AbortMessage):
             peer.session.check(msg)
             self._on_abort(msg.request_id, msg.from_stage, msg.reason)
+        return None
 
     def _on_hello(self, hello: wire.HelloMessage) -> None:
         if hello.endpoint == self.name:
@@ -657,7 +724,8 @@ class Endpoint:
         if outcome is not wire._state.HelloOutcome.DUPLICATE:
             self._spawn(self._complete_hello, peer, hello)
 
-    def _on_data_ready(self, peer: _Peer, msg: wire.DataReadyMessage) -> None:
+    def _on_data_ready(self, peer: _Peer, msg: wire.DataReadyMessage) -> bool:
+        """Queue a DataReady for the peer's worker; False if it was refused."""
         if msg.data_ref is not None:
             peer.session.on_data_ready(msg, _In(msg))
         else:
@@ -666,9 +734,9 @@ class Endpoint:
         if len(peer.inbox) >= limit and msg.data_ref is not None:
             self._count("inbox_full")
             self._nack(peer, msg.data_ref.object_id, "receiver queue full")
-            return
+            return False
         peer.inbox.append(msg)
-        peer.inbox_event.set()
+        return True
 
     # ------------------------------------------------------------------ receiving
 
@@ -678,7 +746,12 @@ class Endpoint:
                 peer.inbox_event = anyio.Event()
                 await peer.inbox_event.wait()
                 continue
+            if peer.busy:  # the receive loop is taking one: keep the order
+                peer.inbox_event = anyio.Event()
+                await peer.inbox_event.wait()
+                continue
             msg = peer.inbox.popleft()
+            peer.busy = True
             try:
                 await self._take(peer, msg)
             except Exception as exc:  # a bug must not kill the peer's worker
@@ -686,6 +759,8 @@ class Endpoint:
                 self._count("internal_errors")
                 if msg.data_ref is not None:
                     self._nack(peer, msg.data_ref.object_id, f"receiver error: {exc}")
+            finally:
+                peer.busy = False
 
     async def _take(self, peer: _Peer, msg: wire.DataReadyMessage) -> None:
         rid = msg.request_id
@@ -923,7 +998,7 @@ class Endpoint:
             error=error,
         )
         self._count("acks_sent" if error is None else "nacks_sent")
-        self._send_nowait(peer.name, wire.encode(msg))
+        self._send_soon(peer.name, wire.encode(msg))
 
     def _nack(self, peer: _Peer, object_id: int, error: str) -> None:
         self._ack(peer, object_id, error[: wire.MAX_TEXT_BYTES // 4])
@@ -1004,7 +1079,7 @@ class Endpoint:
             error=error,
             metadata=self._metadata(metadata),
         )
-        async with peer.send_lock:
+        async with _locked(peer.send_lock):
             await self._send_frame(target, wire.encode(msg))
 
     def _metadata(self, metadata: Any) -> bytes:
@@ -1039,13 +1114,22 @@ class Endpoint:
 
     def _select(self, peer: _Peer, info: PayloadInfo) -> Route:
         assert peer.edge is not None
-        route = self.policy.select(peer.edge, info, peer.candidates)
+        # Policies are pure functions of their inputs, so a decision can be reused
+        # for the same edge and payload shape (the cache is per peer instance).
+        cache = peer.route_cache
+        route = cache.get(info)
+        if route is None:
+            route = self.policy.select(peer.edge, info, peer.candidates)
+            if len(cache) >= 256:
+                cache.clear()
+            cache[info] = route
         key = (peer.name, info.kind, route.backend)
         level = logging.DEBUG
         if key not in self._routes_seen:
             self._routes_seen.add(key)
             level = logging.INFO
-        route_log.log(level, "%s→%s %s: %s", self.name, peer.name, info.kind, route.explain())
+        if route_log.isEnabledFor(level):
+            route_log.log(level, "%s→%s %s: %s", self.name, peer.name, info.kind, route.explain())
         if self._trace:
             print(
                 f"[omniwire] route {self.name}→{peer.name} {info.kind}: {route.explain()}",
@@ -1113,7 +1197,7 @@ class Endpoint:
                 metadata=meta,
             )
             started = time.monotonic()
-            async with peer.send_lock:
+            async with _locked(peer.send_lock):
                 await self._send_frame(target, wire.encode(msg))
             stats.count += 1
             stats.nbytes += layout.nbytes
@@ -1217,7 +1301,11 @@ class Endpoint:
                 if out is None:
                     out = await backend.allocate(info, layout.nbytes, device)
                     record.buffer = out
-                    if type(backend).capabilities.progressive and self.progressive_chunk > 0:
+                    if (
+                        type(backend).capabilities.progressive
+                        and self.progressive_chunk > 0
+                        and "zero_copy" not in (peer.hello.features if peer.hello else ())
+                    ):  # a zero-copy receiver copies nothing: announcing in pieces buys nothing
                         points = packing.split_points(enc.tensors, layout, self.progressive_chunk)
                     assert out.buffer is not None
                     await self._pack(out.buffer, enc.tensors, layout, 0, points[0])
@@ -1248,7 +1336,7 @@ class Endpoint:
             )
             # publish + announce under the peer's lock: a two-sided engine (nccl) pairs
             # sends and receives in order, so both must happen in DataReady order.
-            async with peer.send_lock:
+            async with _locked(peer.send_lock):
                 peer.session.announce(
                     wire.OutboundObject(object_id, request_id, layout.nbytes, points[0], record)
                 )
@@ -1337,12 +1425,33 @@ class Endpoint:
         await self._control.send(peer, frame)
 
     def _send_nowait(self, peer: str, frame: bytes) -> None:
-        """Send a frame from synchronous code (ACKs, ``Delivery.release``): at once when
-        ZeroMQ can take it, else through the outbox task. ACK order does not matter."""
+        """Send a frame from synchronous code: at once when ZeroMQ can take it, else
+        through the outbox task."""
         if not self._outbox and self._control.send_nowait(peer, frame):
             return
         self._outbox.append((peer, frame))
         self._outbox_event.set()
+
+    def _send_soon(self, peer: str, frame: bytes) -> None:
+        """Send an ACK once the tasks that are ready now have run: the delivery that
+        the ACK follows reaches its consumer first, which keeps the ACK off the round
+        trip. Safe from any thread (``Delivery.release`` may run anywhere)."""
+        loop = self._loop
+        if loop is None or self._state == "closed":
+            return  # closed: the peer frees on its own when it sees us gone
+        self._acks.append((peer, frame))
+        if not self._acks_scheduled:
+            self._acks_scheduled = True
+            if threading.get_ident() == self._loop_thread:
+                loop.call_soon(self._flush_acks)
+            else:
+                loop.call_soon_threadsafe(self._flush_acks)
+
+    def _flush_acks(self) -> None:
+        self._acks_scheduled = False
+        while self._acks:
+            peer, frame = self._acks.popleft()
+            self._send_nowait(peer, frame)
 
     async def _outbox_loop(self) -> None:
         while True:

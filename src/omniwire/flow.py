@@ -32,6 +32,10 @@ class Credits:
             return False
         return self.count == 0 or self.bytes + nbytes <= self.max_bytes
 
+    def would_admit(self, nbytes: int) -> bool:
+        """Whether ``try_acquire(nbytes)`` would succeed now."""
+        return not self._waiters and self._fits(nbytes)
+
     def try_acquire(self, nbytes: int) -> bool:
         """Take a credit if one is free now and nobody is queued ahead."""
         if self._waiters or not self._fits(nbytes):

@@ -253,6 +253,10 @@ class ByteBackend(BackendBase):
     """A backend that moves packed bytes. See the module docstring for the flow."""
 
     layout: ClassVar[str] = "packed"
+    #: ``open`` + ``fetch`` of a small, fully announced object complete without
+    #: waiting on I/O (they only touch mapped memory), so the endpoint may take such
+    #: objects directly in its receive loop instead of a worker task.
+    takes_small_objects_inline: ClassVar[bool] = False
 
     @abc.abstractmethod
     async def allocate(self, peer: PeerInfo, nbytes: int, device: str) -> OutboundBuffer:

@@ -249,6 +249,7 @@ class ShmBackend(ByteBackend):
     """
 
     name: ClassVar[str] = "shm"
+    takes_small_objects_inline: ClassVar[bool] = True
     summary: ClassVar[str] = "POSIX shared memory, one pre-faulted arena per sender"
     capabilities: ClassVar[Capabilities] = Capabilities(
         devices=frozenset({"cpu"}),
