@@ -114,6 +114,8 @@ async def run(*, remote: bool = False, backend: str | None = None, explain: bool
     tag = secrets.token_hex(3)
     hidden, chunks = _inputs()
     if remote:
+        # Both "hosts" run on this machine over 127.0.0.1: keep UCX (nixl) on loopback.
+        os.environ.setdefault("UCX_NET_DEVICES", "lo")
         cross = backend or "mooncake"
         src_address, far_address = "tcp://127.0.0.1:0", "tcp://127.0.0.1:0"
         src_backends = ["local", "shm", cross]

@@ -1,0 +1,113 @@
+"""Two endpoints set up as two hosts (different host identities, tcp:// on 127.0.0.1):
+cross-host routing picks mooncake by default, nixl or nccl when a policy or a route
+says so, and Hypothesis payloads round-trip bit-exactly through each."""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+from collections.abc import Iterator
+from typing import Any
+
+import anyio
+import pytest
+from anyio.from_thread import start_blocking_portal
+from hypothesis import HealthCheck, given, settings
+
+from omniwire.endpoint import Endpoint
+from omniwire.routing import PreferenceOrderPolicy
+from omniwire.testing import PeerProcess, require_backend
+from omniwire.testing.strategies import assert_payload_equal, payloads
+
+ENGINES = ("mooncake", "nixl", "nccl")
+REMOTE_HOST = "test-remote-host"
+os.environ.setdefault("UCX_NET_DEVICES", "lo")
+
+
+@pytest.fixture(scope="module")
+def remote() -> Iterator[tuple[PeerProcess, str]]:
+    for engine in ENGINES:
+        require_backend(engine)
+    tag = secrets.token_hex(3)
+    routes = {f"src-nixl-{tag}": "nixl", f"src-nccl-{tag}": "nccl"}  # the way back
+    peer = PeerProcess(
+        f"remote-{tag}",
+        "tcp://127.0.0.1:0",
+        "--host-id",
+        REMOTE_HOST,
+        "--backends",
+        "local,shm,mooncake,nixl,nccl",
+        "--routes",
+        json.dumps(routes),
+        "--policy",
+        "default",
+    )
+    yield peer, tag
+    assert peer.stop() == 0
+
+
+@pytest.mark.parametrize(
+    ("name", "expected", "how"),
+    [
+        ("default", "mooncake", {}),
+        ("nixl", "nixl", {"policy": PreferenceOrderPolicy(["nixl"])}),
+        ("nccl", "nccl", {"routes": "nccl"}),
+    ],
+)
+def test_cross_host_routes_and_round_trips(
+    remote: tuple[PeerProcess, str], name: str, expected: str, how: dict[str, Any]
+) -> None:
+    peer, tag = remote
+    me = f"src-{name}-{tag}"
+    kw: dict[str, Any] = {}
+    if "policy" in how:
+        kw["policy"] = how["policy"]
+    if "routes" in how:
+        kw["routes"] = {peer.name: how["routes"]}
+    ep = Endpoint(
+        me,
+        address="tcp://127.0.0.1:0",
+        peers={peer.name: peer.address},
+        backends=["local", "shm", *ENGINES],
+        ack_timeout=60,
+        **kw,
+    )
+    assert ep.host_id != REMOTE_HOST
+    with start_blocking_portal() as portal, portal.wrap_async_context_manager(ep):
+        portal.call(ep.wait_peer, peer.name, 60)
+        route = portal.call(lambda: _route(ep, peer.name))
+        assert route.backend == expected, route.explain()
+        assert route.reason.startswith("another host")
+        if name == "default":
+            assert dict(route.rejected)["shm"].startswith("reaches same process, same host")
+            assert dict(route.rejected)["nccl"].startswith("opt-in only")
+        counter = iter(range(10**6))
+
+        @settings(
+            max_examples=6,
+            deadline=None,
+            suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+        )
+        @given(payloads(max_leaves=6))
+        def round_trip(value: Any) -> None:
+            d = portal.call(_echo, ep, peer.name, {"v": value}, f"x{next(counter)}")
+            assert d.kind == "payload"
+            assert d.backend == expected
+            assert_payload_equal({"v": value}, d.payload)
+
+        round_trip()
+
+
+async def _route(ep: Endpoint, peer: str) -> Any:
+    import torch
+
+    return ep.route(peer, {"t": torch.ones(1 << 16)})
+
+
+async def _echo(ep: Endpoint, peer: str, value: Any, rid: str) -> Any:
+    with anyio.fail_after(60):
+        receipt = await ep.send(peer, value, request_id=rid)
+        d = await ep.receive()
+        await receipt.wait()
+        return d
