@@ -41,6 +41,7 @@ from collections.abc import Iterator
 from typing import Any, ClassVar
 
 import anyio
+import numpy as np
 import pytest
 import torch
 from anyio.from_thread import BlockingPortal, start_blocking_portal
@@ -56,11 +57,15 @@ __all__ = ["BackendConformance", "PeerProcess", "require_backend", "to_device"]
 
 
 def to_device(value: Any, device: str) -> Any:
-    """``value`` with every torch tensor moved to ``device`` (containers rebuilt)."""
+    """``value`` with every tensor moved to ``device`` (containers rebuilt). Off the
+    CPU, numpy arrays become tensors there too: a GPU-only backend carries nothing
+    else, and a payload holding a CPU array would route elsewhere."""
     if device == "cpu":
         return value
     if isinstance(value, torch.Tensor):
         return value.to(device)
+    if isinstance(value, np.ndarray):
+        return torch.from_numpy(np.ascontiguousarray(value)).to(device)
     if type(value) is list:
         return [to_device(v, device) for v in value]
     if type(value) is tuple:
@@ -287,6 +292,8 @@ class BackendConformance:
         )
         @given(payloads(max_leaves=8))
         def check(value: Any) -> None:
+            if self.device != "cpu":  # an anchor tensor makes every payload the backend's
+                value = {"v": value, "anchor": torch.ones(1)}
             value = to_device(value, self.device)
             d = harness.call(harness.round_trip, value, f"rt-{next(counter)}")
             assert d.kind == "payload", d
@@ -300,7 +307,9 @@ class BackendConformance:
             rid = "stream-" + secrets.token_hex(2)
             for i in range(8):
                 await harness.ep.stream(
-                    harness.peer, {"i": i, "t": torch.full((i + 1,), i)}, request_id=rid
+                    harness.peer,
+                    {"i": i, "t": torch.full((i + 1,), i, device=self.device)},
+                    request_id=rid,
                 )
             await harness.ep.end_stream(harness.peer, request_id=rid)
             got = []
@@ -317,7 +326,7 @@ class BackendConformance:
         assert [d.chunk_id for d in chunks] == list(range(8))
         assert all(d.backend == self.backend for d in chunks)
         assert all(
-            torch.equal(d.payload["t"], torch.full((i + 1,), i)) for i, d in enumerate(chunks)
+            torch.equal(d.payload["t"].cpu(), torch.full((i + 1,), i)) for i, d in enumerate(chunks)
         )
 
     def test_large_object_round_trips(self, harness: _Harness) -> None:
@@ -328,7 +337,8 @@ class BackendConformance:
 
     def test_nothing_left_in_flight_after_round_trips(self, harness: _Harness) -> None:
         for i in range(5):
-            harness.call(harness.round_trip, {"x": torch.arange(1000 + i)}, f"flight-{i}")
+            value = {"x": torch.arange(1000 + i, device=self.device)}
+            harness.call(harness.round_trip, value, f"flight-{i}")
 
         async def settled() -> tuple[dict[str, tuple[int, int]], dict[str, int]]:
             with anyio.fail_after(30):
@@ -356,7 +366,11 @@ class BackendConformance:
             started = time.monotonic()
             for i in range(6):
                 receipts.append(
-                    await slow.ep.send(slow.peer, {"i": torch.ones(256)}, request_id=f"credit-{i}")
+                    await slow.ep.send(
+                        slow.peer,
+                        {"i": torch.ones(256, device=self.device)},
+                        request_id=f"credit-{i}",
+                    )
                 )
                 peak = max(peak, slow.ep.in_flight()[slow.peer][0])
             with anyio.fail_after(60):
@@ -372,7 +386,9 @@ class BackendConformance:
         async def run() -> tuple[list[BaseException | None], dict[str, int]]:
             rid = "abort-" + secrets.token_hex(2)
             receipts = [
-                await slow.ep.send(slow.peer, {"t": torch.ones(1 << 16)}, request_id=rid)
+                await slow.ep.send(
+                    slow.peer, {"t": torch.ones(1 << 16, device=self.device)}, request_id=rid
+                )
                 for _ in range(2)
             ]
             await slow.ep.abort(rid, "test")
@@ -387,7 +403,9 @@ class BackendConformance:
                 while slow.ep.in_flight()[slow.peer] != (0, 0):
                     await anyio.sleep(0.05)
             with pytest.raises(RequestAbortedError):
-                await slow.ep.send(slow.peer, {"t": torch.ones(4)}, request_id=rid)
+                await slow.ep.send(
+                    slow.peer, {"t": torch.ones(4, device=self.device)}, request_id=rid
+                )
             return errors, slow.ep.backend(self.backend).stats()
 
         errors, stats = slow.call(run)
