@@ -216,6 +216,12 @@ class _Peer:
         return code
 
 
+async def _stream(ep: Endpoint, peer: str, payload: Any, n: int, tag: str) -> None:
+    receipts = [await ep.send(peer, payload, request_id=f"{tag}{i}") for i in range(n)]
+    for r in receipts:
+        await r.wait()
+
+
 async def _measure(
     ep: Endpoint, peer: str, size: int, iters: int
 ) -> tuple[float, float, float, float, float]:
@@ -244,10 +250,10 @@ async def _measure(
         await r.wait()
         oneway.append(time.perf_counter() - start)
     n_stream = max(4, n_rtt)
+    # warm the receiver's buffer pool for as many objects as may be in flight
+    await _stream(ep, peer, payload, n_stream, "warm-stream")
     start = time.perf_counter()
-    receipts = [await ep.send(peer, payload, request_id=f"st{i}") for i in range(n_stream)]
-    for r in receipts:
-        await r.wait()
+    await _stream(ep, peer, payload, n_stream, "st")
     elapsed = time.perf_counter() - start
     rtts.sort()
     p50 = rtts[len(rtts) // 2]
@@ -300,6 +306,7 @@ async def bench_backend(
             zero_copy=zero_copy,
             backend_options=options,
             ack_timeout=120,
+            max_inflight_bytes=options["shm"]["arena_size"] // 2,  # in flight fits an arena
         ) as ep:
             await ep.wait_peer(peer_name, 60)
             for size in sizes:
