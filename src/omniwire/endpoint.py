@@ -496,13 +496,7 @@ class Endpoint:
             elif event is PeerEvent.DOWN:
                 if peer.down_since is None:
                     peer.down_since = time.monotonic()
-                hello = peer.hello
-                if (
-                    hello is not None
-                    and hello.host_id == self.host_id
-                    and not hostinfo.pid_alive(hello.pid)
-                ):
-                    self._peer_lost(peer, f"its process (pid {hello.pid}) died")
+                self._lost_if_dead(peer)
             elif event is PeerEvent.AUTH_FAILED:
                 peer.last_refusal = (
                     "the peer refused our credentials (authentication key mismatch?)"
@@ -511,6 +505,14 @@ class Endpoint:
                 log.warning(
                     "%s: %s refused the handshake: %s", self.name, peer.name, peer.last_refusal
                 )
+
+    def _lost_if_dead(self, peer: _Peer) -> bool:
+        """Declare ``peer`` lost if it runs on this host and its process is gone."""
+        hello = peer.hello
+        if hello is None or hello.host_id != self.host_id or hostinfo.pid_alive(hello.pid):
+            return False
+        self._peer_lost(peer, f"its process (pid {hello.pid}) died")
+        return True
 
     async def wait_peer(self, name: str, timeout: float | None = None) -> None:
         """Wait until ``name`` completed its Hello.
@@ -1586,13 +1588,7 @@ class Endpoint:
                 for obj in list(peer.session.outbound.values()):
                     record: _Out = obj.data
                     if now > record.deadline and not record.receipt.done():
-                        hello = peer.hello
-                        if (
-                            hello is not None
-                            and hello.host_id == self.host_id
-                            and not hostinfo.pid_alive(hello.pid)
-                        ):
-                            self._peer_lost(peer, f"its process (pid {hello.pid}) died")
+                        if self._lost_if_dead(peer):
                             break
                         self._resolve(
                             record.receipt,
