@@ -9,19 +9,30 @@ from __future__ import annotations
 
 __all__ = [
     "AckTimeoutError",
+    "AddressError",
+    "AddressInUseError",
     "BackendClosedError",
     "BackendError",
     "BackendUnavailableError",
+    "ConfigurationError",
+    "DrainTimeoutError",
     "EndpointClosedError",
+    "EndpointNotStartedError",
     "HandshakeError",
     "LocalProtocolError",
+    "NameClashError",
     "NoRouteError",
     "OmniwireError",
+    "PeerClosedError",
     "PeerLostError",
+    "PeerNameMismatchError",
+    "PeerRefusedError",
+    "PeerUnresponsiveError",
     "ProtocolError",
     "RemoteProtocolError",
     "RequestAbortedError",
     "ShmFullError",
+    "UnknownNameError",
     "UnsupportedVersionError",
     "WireFormatError",
 ]
@@ -96,16 +107,69 @@ class NoRouteError(OmniwireError):
         self.rejected = rejected
 
 
+class ConfigurationError(OmniwireError, ValueError):
+    """An Endpoint option is unusable; the message names the option and the value.
+
+    Raised by the constructor or ``start()``; nothing is left behind.
+    """
+
+
+class AddressError(ConfigurationError):
+    """A control address is not one ZeroMQ can use (``ipc:/x``, ``tpc://…``, an ipc
+    path over the unix-socket limit)."""
+
+
+class AddressInUseError(ConfigurationError):
+    """The control address is already served (a live endpoint on that ipc path, a
+    tcp port in use)."""
+
+
+class UnknownNameError(ConfigurationError, KeyError):
+    """A backend, policy or route names something that is not registered."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else ""
+
+
 class HandshakeError(OmniwireError):
     """A peer did not complete the Hello exchange, or was refused."""
+
+
+class PeerRefusedError(HandshakeError):
+    """The peer refused this endpoint (a RefusalMessage); ``code`` says why (spec §4.9)."""
+
+    def __init__(self, message: str, *, peer: str = "", code: str = "") -> None:
+        super().__init__(message)
+        self.peer = peer
+        self.code = code
+
+
+class NameClashError(PeerRefusedError):
+    """Another live endpoint already uses this stage name (``name_in_use``/``own_name``)."""
+
+
+class PeerNameMismatchError(PeerRefusedError):
+    """``peers=`` names a stage that, at that address, calls itself something else."""
 
 
 class PeerLostError(OmniwireError):
     """A peer died, restarted or disconnected while transfers to it were in flight."""
 
 
+class PeerClosedError(PeerLostError):
+    """The peer closed cleanly (it said Goodbye) while transfers to it were in flight."""
+
+
+class PeerUnresponsiveError(PeerLostError):
+    """The peer is alive but takes no frames (stopped, hung or wedged)."""
+
+
 class AckTimeoutError(OmniwireError, TimeoutError):
-    """A peer did not acknowledge an object within the endpoint's ACK timeout."""
+    """A peer did not acknowledge an object (or grant a credit) within the ACK timeout."""
+
+
+class DrainTimeoutError(OmniwireError, TimeoutError):
+    """``drain`` found objects still unacknowledged after its timeout."""
 
 
 class RequestAbortedError(OmniwireError):
@@ -114,3 +178,7 @@ class RequestAbortedError(OmniwireError):
 
 class EndpointClosedError(OmniwireError):
     """The endpoint is closed."""
+
+
+class EndpointNotStartedError(EndpointClosedError):
+    """The endpoint was not started: use ``async with Endpoint(...)`` or ``await start()``."""

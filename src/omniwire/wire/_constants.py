@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Final
 
 #: The wire version this implementation writes: (major, minor).
-WIRE_VERSION: Final = (1, 0)
+WIRE_VERSION: Final = (1, 1)
 #: Majors this implementation reads. Any other major is refused.
 SUPPORTED_MAJORS: Final = frozenset({1})
 
@@ -34,6 +34,10 @@ MAX_REQUEST_ID_BYTES: Final = 1024
 MAX_TEXT_BYTES: Final = 4096
 #: Largest unsigned 64-bit value.
 U64_MAX: Final = 2**64 - 1
+#: Largest signed 64-bit value: the bound of a tensor dimension and of an element count.
+I64_MAX: Final = 2**63 - 1
+#: Most messages in one BatchMessage (1.1).
+MAX_BATCH_MESSAGES: Final = 4096
 
 #: Wire name → item size in bytes, for every tensor dtype the wire carries.
 #: ``float4_e2m1fn_x2`` packs two 4-bit values per byte; its shape counts bytes.

@@ -18,7 +18,9 @@ import msgspec
 from ._constants import (
     ALIGNMENT,
     DTYPE_ITEMSIZE,
+    I64_MAX,
     INLINE_MAX_TENSOR_BYTES,
+    MAX_BATCH_MESSAGES,
     MAX_NAME_BYTES,
     MAX_NDIM,
     MAX_REQUEST_ID_BYTES,
@@ -28,24 +30,58 @@ from ._constants import (
 )
 
 __all__ = [
+    "NACK_REASONS",
+    "REFUSAL_CODES",
     "AbortMessage",
     "BackendInfo",
     "BackendRef",
+    "BatchMessage",
+    "BatchedMessage",
     "DataAckMessage",
     "DataKind",
     "DataProgressMessage",
     "DataReadyMessage",
     "DataRef",
     "DeviceInfo",
+    "GoodbyeMessage",
     "HelloMessage",
     "InlineStreamChunkRef",
     "Layout",
     "Message",
+    "NackReason",
+    "RefusalCode",
+    "RefusalMessage",
     "TensorMeta",
 ]
 
 DataKind = Literal["payload", "stream_chunk"]
 Layout = Literal["packed", "per_tensor", "object"]
+
+#: Why a receiver refused an object (``DataAckMessage.reason``, spec §4.4). 1.1.
+NackReason = Literal[
+    "aborted",  # the request was aborted
+    "queue_full",  # the receiver holds too many undelivered objects
+    "receiver_closed",  # the receiver is closing
+    "malformed",  # the DataRef, header or metadata cannot be read
+    "backend_error",  # the backend failed to open or move the bytes
+    "unsupported",  # the receiver does not run that backend or layout
+    "misaddressed",  # to_stage is not the receiver
+    "timeout",  # the sender made no progress on a progressive object
+    "internal",  # a bug in the receiver
+]
+NACK_REASONS: frozenset[str] = frozenset(NackReason.__args__)  # type: ignore[attr-defined]
+
+#: Why an endpoint refused a peer or a message (``RefusalMessage.code``, spec §4.9). 1.1.
+RefusalCode = Literal[
+    "version",  # no wire major version in common
+    "name_in_use",  # another live instance holds this stage name
+    "name_mismatch",  # the Hello was addressed to another stage name
+    "own_name",  # the peer uses the refuser's own stage name
+    "peer_limit",  # the refuser's peer table is full
+    "bad_hello",  # the Hello is unusable (address, backend info)
+    "unknown_peer",  # a message from a stage that has not said Hello
+]
+REFUSAL_CODES: frozenset[str] = frozenset(RefusalCode.__args__)  # type: ignore[attr-defined]
 
 
 def _u64(field: str, value: int) -> None:
@@ -93,8 +129,15 @@ class TensorMeta(_Base, frozen=True, kw_only=True):
         if len(self.shape) > MAX_NDIM:
             raise ValueError(f"TensorMeta.shape has {len(self.shape)} dims; limit {MAX_NDIM}")
         for dim in self.shape:
-            if dim < 0:
-                raise ValueError(f"TensorMeta.shape has a negative dimension: {self.shape}")
+            if not 0 <= dim <= I64_MAX:
+                raise ValueError(
+                    f"TensorMeta.shape has a dimension outside [0, 2**63-1]: {self.shape}"
+                )
+        if math.prod(d for d in self.shape if d) > I64_MAX:
+            raise ValueError(
+                f"TensorMeta.shape {self.shape}: the product of its non-zero dimensions "
+                "exceeds 2**63-1"
+            )
         _u64("TensorMeta.offset", self.offset)
         _u64("TensorMeta.nbytes", self.nbytes)
         expected = math.prod(self.shape) * itemsize
@@ -169,11 +212,14 @@ class DataRef(_Base, frozen=True, kw_only=True):
 
 
 class InlineStreamChunkRef(_Base, frozen=True, kw_only=True):
-    """A small CPU stream chunk carried inside the control message: no buffer, no ACK."""
+    """A small CPU stream chunk (or, from 1.1, payload) carried inside the control
+    message: no buffer, no ACK."""
 
     header: bytes = b""
     tensors: tuple[TensorMeta, ...] = ()
     data: bytes = b""
+    #: 1.1: what the data is; a 1.0 reader ignores it (and is never sent a payload inline).
+    kind: DataKind = "stream_chunk"
 
     def __post_init__(self) -> None:
         _check_packed("InlineStreamChunkRef", self.tensors, len(self.data))
@@ -230,6 +276,9 @@ class HelloMessage(_Base, frozen=True, kw_only=True, tag="hello", tag_field="typ
     devices: tuple[DeviceInfo, ...] = ()
     backends: tuple[BackendInfo, ...] = ()
     is_reply: bool = False
+    #: 1.1: the stage name the sender addresses (from its configuration); empty if
+    #: unknown. A receiver with another name refuses with ``name_mismatch``.
+    to_endpoint: str = ""
 
     def __post_init__(self) -> None:
         _name("HelloMessage.endpoint", self.endpoint)
@@ -252,6 +301,7 @@ class HelloMessage(_Base, frozen=True, kw_only=True, tag="hello", tag_field="typ
             raise ValueError("HelloMessage.devices has more than 1024 entries")
         if len(self.backends) > 256:
             raise ValueError("HelloMessage.backends has more than 256 entries")
+        _text("HelloMessage.to_endpoint", self.to_endpoint, MAX_NAME_BYTES, empty_ok=True)
 
 
 class DataReadyMessage(_Base, frozen=True, kw_only=True, tag="data_ready", tag_field="type"):
@@ -266,6 +316,8 @@ class DataReadyMessage(_Base, frozen=True, kw_only=True, tag="data_ready", tag_f
     is_done: bool = False
     error: str | None = None
     metadata: bytes = b""
+    #: 1.1: W3C trace context (``traceparent``) of the sender's span; empty if none.
+    traceparent: str = ""
 
     def __post_init__(self) -> None:
         _text("DataReadyMessage.request_id", self.request_id, MAX_REQUEST_ID_BYTES)
@@ -281,6 +333,7 @@ class DataReadyMessage(_Base, frozen=True, kw_only=True, tag="data_ready", tag_f
         has_data = self.data_ref is not None or self.inline is not None
         if not has_data and not self.is_done and self.error is None:
             raise ValueError("DataReadyMessage carries no data, no error and is not is_done")
+        _text("DataReadyMessage.traceparent", self.traceparent, MAX_NAME_BYTES, empty_ok=True)
 
 
 class DataProgressMessage(_Base, frozen=True, kw_only=True, tag="data_progress", tag_field="type"):
@@ -306,6 +359,9 @@ class DataAckMessage(_Base, frozen=True, kw_only=True, tag="data_ack", tag_field
     to_stage: str
     success: bool = True
     error: str | None = None
+    #: 1.1: why, as a registered code (``NACK_REASONS``), when ``success`` is false.
+    #: A reader MUST treat a code it does not know as ``"internal"``.
+    reason: str | None = None
 
     def __post_init__(self) -> None:
         _u64("DataAckMessage.object_id", self.object_id)
@@ -313,6 +369,10 @@ class DataAckMessage(_Base, frozen=True, kw_only=True, tag="data_ack", tag_field
         _name("DataAckMessage.to_stage", self.to_stage)
         if self.error is not None:
             _text("DataAckMessage.error", self.error, MAX_TEXT_BYTES, empty_ok=True)
+        if self.reason is not None:
+            _name("DataAckMessage.reason", self.reason)
+            if self.success:
+                raise ValueError("DataAckMessage with success=true must have no reason")
 
 
 class AbortMessage(_Base, frozen=True, kw_only=True, tag="abort", tag_field="type"):
@@ -321,11 +381,78 @@ class AbortMessage(_Base, frozen=True, kw_only=True, tag="abort", tag_field="typ
     request_id: str
     from_stage: str
     reason: str = ""
+    #: 1.1: the stage where the abort began, when ``from_stage`` forwards it; empty
+    #: means ``from_stage`` itself.
+    origin: str = ""
 
     def __post_init__(self) -> None:
         _text("AbortMessage.request_id", self.request_id, MAX_REQUEST_ID_BYTES)
         _name("AbortMessage.from_stage", self.from_stage)
         _text("AbortMessage.reason", self.reason, MAX_TEXT_BYTES, empty_ok=True)
+        _text("AbortMessage.origin", self.origin, MAX_NAME_BYTES, empty_ok=True)
 
 
-Message = HelloMessage | DataReadyMessage | DataProgressMessage | DataAckMessage | AbortMessage
+class GoodbyeMessage(_Base, frozen=True, kw_only=True, tag="goodbye", tag_field="type"):
+    """1.1. The sender closes cleanly: every object of ``instance`` is released, in
+    both directions, and its open streams end. The peer is *closed*, not lost."""
+
+    from_stage: str
+    instance: int
+    reason: str = ""
+
+    def __post_init__(self) -> None:
+        _name("GoodbyeMessage.from_stage", self.from_stage)
+        _u64("GoodbyeMessage.instance", self.instance)
+        _text("GoodbyeMessage.reason", self.reason, MAX_TEXT_BYTES, empty_ok=True)
+
+
+class RefusalMessage(_Base, frozen=True, kw_only=True, tag="refusal", tag_field="type"):
+    """1.1. The sender refuses a peer's Hello (or a message from a stage it does not
+    know), so the refused side can tell refusal from death. Always framed as 1.x."""
+
+    from_stage: str
+    #: The refused stage, as it named itself (may be empty if it could not be read).
+    to_stage: str = ""
+    #: A registered code (``REFUSAL_CODES``); readers treat unknown codes as generic.
+    code: str
+    detail: str = ""
+    #: The stage name the refused Hello addressed (its ``to_endpoint``), if any.
+    addressed: str = ""
+
+    def __post_init__(self) -> None:
+        _name("RefusalMessage.from_stage", self.from_stage)
+        _text("RefusalMessage.to_stage", self.to_stage, MAX_NAME_BYTES, empty_ok=True)
+        _name("RefusalMessage.code", self.code)
+        _text("RefusalMessage.detail", self.detail, MAX_TEXT_BYTES, empty_ok=True)
+        _text("RefusalMessage.addressed", self.addressed, MAX_NAME_BYTES, empty_ok=True)
+
+
+#: What a BatchMessage may carry: the per-object messages, never a Hello, Goodbye,
+#: Refusal or another batch.
+BatchedMessage = DataReadyMessage | DataProgressMessage | DataAckMessage | AbortMessage
+
+
+class BatchMessage(_Base, frozen=True, kw_only=True, tag="batch", tag_field="type"):
+    """1.1. Several messages to one peer in one frame, applied in order, exactly as
+    if each had arrived in a frame of its own."""
+
+    messages: tuple[BatchedMessage, ...]
+
+    def __post_init__(self) -> None:
+        if not 1 <= len(self.messages) <= MAX_BATCH_MESSAGES:
+            raise ValueError(
+                f"BatchMessage carries {len(self.messages)} messages; it must carry "
+                f"1 to {MAX_BATCH_MESSAGES}"
+            )
+
+
+Message = (
+    HelloMessage
+    | DataReadyMessage
+    | DataProgressMessage
+    | DataAckMessage
+    | AbortMessage
+    | GoodbyeMessage
+    | RefusalMessage
+    | BatchMessage
+)

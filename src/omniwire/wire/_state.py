@@ -4,18 +4,24 @@ Theory of operation
 -------------------
 An endpoint keeps one :class:`Session` per peer. A session starts in
 ``AWAITING_HELLO``; the peer's HelloMessage moves it to ``ACTIVE``. Until then the
-only legal message from the peer is a Hello, and this side may not announce data
-to it. A Hello carrying a different ``instance`` means the peer restarted: every
-object in flight with the old instance is returned to the caller to release, and
-the session continues with the new instance.
+only legal messages from the peer are a Hello and a Refusal, and this side may
+not announce data to it. A Hello carrying a different ``instance`` means the peer
+restarted: every object in flight with the old instance is returned to the
+caller to release, and the session continues with the new instance. A Goodbye
+from the current instance moves the session to ``CLOSED`` and returns every
+object in flight the same way; from there only a Hello (of any instance) is legal.
 
 Objects are tracked in both directions, keyed by ``object_id`` (unique per
-sending endpoint instance):
+sending endpoint instance)::
 
     outbound (we sent a DataRef)          inbound (the peer sent us a DataRef)
     announce ──► ANNOUNCED                 DataReady ──► OPEN(ready)
-    progress ──► ANNOUNCED (ready grows)   DataProgress ──► OPEN (ready grows, ≤ length)
+    advance  ──► ANNOUNCED (ready grows)   DataProgress ──► OPEN (ready grows, ≤ length)
     DataAck  ──► removed                   we ACK ──► removed
+
+The session stores the endpoint's own records (subclasses of
+:class:`OutboundObject` / :class:`InboundObject`), so one typed record per object
+carries both the protocol state and the endpoint's handles.
 
 Everything else is a protocol error that names the offender: a
 :class:`RemoteProtocolError` when the peer sent it (an ACK for an object it was
@@ -29,7 +35,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Generic, TypeVar
 
 from ..errors import LocalProtocolError, RemoteProtocolError
 from ._constants import SUPPORTED_MAJORS, WIRE_VERSION
@@ -38,25 +44,35 @@ from ._messages import (
     DataAckMessage,
     DataProgressMessage,
     DataReadyMessage,
+    GoodbyeMessage,
     HelloMessage,
     Message,
+    RefusalMessage,
 )
 
-__all__ = ["HelloOutcome", "InboundObject", "OutboundObject", "PeerState", "Session"]
+__all__ = [
+    "HelloOutcome",
+    "InboundObject",
+    "OutboundObject",
+    "PeerState",
+    "Session",
+    "negotiate",
+]
 
 
 class PeerState(enum.Enum):
     AWAITING_HELLO = "awaiting_hello"
     ACTIVE = "active"
+    CLOSED = "closed"
 
 
 class HelloOutcome(enum.Enum):
-    NEW = "new"  # first Hello from this peer
+    NEW = "new"  # first Hello from this peer (or first after it closed)
     DUPLICATE = "duplicate"  # same instance again (e.g. a reconnect)
     RESTART = "restart"  # a new instance of the peer: old objects are gone
 
 
-@dataclass
+@dataclass(eq=False)
 class OutboundObject:
     """An object this side announced and the peer has not acknowledged yet."""
 
@@ -64,10 +80,9 @@ class OutboundObject:
     request_id: str
     length: int
     ready: int
-    data: Any = None  # the endpoint's own bookkeeping (lease, receipt, ...)
 
 
-@dataclass
+@dataclass(eq=False)
 class InboundObject:
     """An object the peer announced and this side has not acknowledged yet."""
 
@@ -75,37 +90,60 @@ class InboundObject:
     request_id: str
     length: int
     ready: int
-    data: Any = None
 
+
+O = TypeVar("O", bound=OutboundObject)  # noqa: E741 - the outbound record type
+I = TypeVar("I", bound=InboundObject)  # noqa: E741 - the inbound record type
 
 #: Which message types are legal from the peer in each state.
 _LEGAL: dict[PeerState, frozenset[type]] = {
-    PeerState.AWAITING_HELLO: frozenset({HelloMessage}),
+    PeerState.AWAITING_HELLO: frozenset({HelloMessage, RefusalMessage}),
     PeerState.ACTIVE: frozenset(
-        {HelloMessage, DataReadyMessage, DataProgressMessage, DataAckMessage, AbortMessage}
+        {
+            HelloMessage,
+            DataReadyMessage,
+            DataProgressMessage,
+            DataAckMessage,
+            AbortMessage,
+            GoodbyeMessage,
+            RefusalMessage,
+        }
     ),
+    PeerState.CLOSED: frozenset({HelloMessage, RefusalMessage}),
 }
 
 
-@dataclass
-class Session:
+def negotiate(hello: HelloMessage) -> tuple[int, int] | None:
+    """The wire version to use with a peer: the highest version in both ranges
+    (spec §8), or None when the ranges share no major version."""
+    ours_min, ours_max = (WIRE_VERSION[0], 0), WIRE_VERSION
+    low = max(ours_min, hello.wire_min)
+    high = min(ours_max, hello.wire_max)
+    if low > high or high[0] not in SUPPORTED_MAJORS:
+        return None
+    return high
+
+
+@dataclass(eq=False)
+class Session(Generic[O, I]):
     """What this endpoint knows about one peer. Feed it every message from the peer."""
 
     local_name: str
     peer_name: str
     state: PeerState = PeerState.AWAITING_HELLO
     hello: HelloMessage | None = None
-    outbound: dict[int, OutboundObject] = field(default_factory=dict)
-    inbound: dict[int, InboundObject] = field(default_factory=dict)
+    #: The version both sides speak (set by the Hello): what this side may send.
+    version: tuple[int, int] = (1, 0)
+    outbound: dict[int, O] = field(default_factory=dict)
+    inbound: dict[int, I] = field(default_factory=dict)
 
     # -- messages from the peer -------------------------------------------------
 
     def check(self, msg: Message) -> None:
         """Raise RemoteProtocolError if ``msg`` is illegal from this peer now."""
         if type(msg) not in _LEGAL[self.state]:
-            raise RemoteProtocolError(
-                f"{type(msg).__name__} from {self.peer_name!r} before its HelloMessage"
-            )
+            when = "after its Goodbye" if self.state is PeerState.CLOSED else "before its Hello"
+            raise RemoteProtocolError(f"{type(msg).__name__} from {self.peer_name!r} {when}")
         if (
             isinstance(msg, DataReadyMessage | DataProgressMessage | DataAckMessage)
             and msg.to_stage != self.local_name
@@ -135,10 +173,17 @@ class Session:
                 f"DataAck from {self.peer_name!r} for object {msg.object_id}, which is not "
                 f"in flight to it (stale, duplicate, or another peer's)"
             )
+        elif (
+            isinstance(msg, GoodbyeMessage)
+            and self.hello is not None
+            and msg.instance != self.hello.instance
+        ):
+            raise RemoteProtocolError(
+                f"Goodbye from {self.peer_name!r} names instance {msg.instance}, not the "
+                f"current {self.hello.instance}"
+            )
 
-    def on_hello(
-        self, msg: HelloMessage
-    ) -> tuple[HelloOutcome, list[OutboundObject], list[InboundObject]]:
+    def on_hello(self, msg: HelloMessage) -> tuple[HelloOutcome, list[O], list[I]]:
         """Apply a Hello. On a restart, returns the objects of the old instance.
 
         Raises:
@@ -149,54 +194,67 @@ class Session:
             raise RemoteProtocolError(
                 f"HelloMessage from {msg.endpoint!r} arrived on the session of {self.peer_name!r}"
             )
-        majors = set(range(msg.wire_min[0], msg.wire_max[0] + 1))
-        if not majors & SUPPORTED_MAJORS:
+        version = negotiate(msg)
+        if version is None:
             raise RemoteProtocolError(
                 f"{msg.endpoint!r} speaks wire {msg.wire_min[0]}.{msg.wire_min[1]}–"
                 f"{msg.wire_max[0]}.{msg.wire_max[1]}; this endpoint speaks "
-                f"{WIRE_VERSION[0]}.{WIRE_VERSION[1]}"
+                f"{WIRE_VERSION[0]}.0–{WIRE_VERSION[0]}.{WIRE_VERSION[1]}"
             )
-        previous = self.hello
+        previous, was_closed = self.hello, self.state is PeerState.CLOSED
         self.hello = msg
+        self.version = version
         self.state = PeerState.ACTIVE
-        if previous is None:
+        if previous is None or was_closed:
             return HelloOutcome.NEW, [], []
         if previous.instance == msg.instance and previous.process_token == msg.process_token:
             return HelloOutcome.DUPLICATE, [], []
+        lost_out, lost_in = self._take_all()
+        return HelloOutcome.RESTART, lost_out, lost_in
+
+    def on_goodbye(self, msg: GoodbyeMessage) -> tuple[list[O], list[I]]:
+        """Apply a Goodbye: the peer closed; returns every object in flight with it."""
+        self.check(msg)
+        self.state = PeerState.CLOSED
+        return self._take_all()
+
+    def reset(self) -> tuple[list[O], list[I]]:
+        """The peer was lost: back to ``AWAITING_HELLO``; returns every object in flight."""
+        self.state = PeerState.AWAITING_HELLO
+        self.hello = None
+        return self._take_all()
+
+    def _take_all(self) -> tuple[list[O], list[I]]:
         lost_out = list(self.outbound.values())
         lost_in = list(self.inbound.values())
         self.outbound.clear()
         self.inbound.clear()
-        return HelloOutcome.RESTART, lost_out, lost_in
+        return lost_out, lost_in
 
-    def on_data_ready(self, msg: DataReadyMessage, data: Any = None) -> InboundObject | None:
-        """Open the inbound object a DataReady announces (None if it carries no DataRef)."""
+    def on_data_ready(self, msg: DataReadyMessage, record: I | None) -> None:
+        """Check a DataReady and open the inbound object it announces (``record``,
+        built by the caller from ``msg.data_ref``; None when it carries no DataRef)."""
         self.check(msg)
-        ref = msg.data_ref
-        if ref is None:
-            return None
-        ready = ref.ref.length if ref.ready is None else ref.ready
-        obj = InboundObject(ref.object_id, msg.request_id, ref.ref.length, ready, data)
-        self.inbound[ref.object_id] = obj
-        return obj
+        if record is not None:
+            self.inbound[record.object_id] = record
 
-    def on_progress(self, msg: DataProgressMessage) -> InboundObject:
+    def on_progress(self, msg: DataProgressMessage) -> I:
         self.check(msg)
         obj = self.inbound[msg.object_id]
         obj.ready = msg.ready
         return obj
 
-    def on_ack(self, msg: DataAckMessage) -> OutboundObject:
+    def on_ack(self, msg: DataAckMessage) -> O:
         self.check(msg)
         return self.outbound.pop(msg.object_id)
 
-    def close_inbound(self, object_id: int) -> InboundObject | None:
+    def close_inbound(self, object_id: int) -> I | None:
         """This side acknowledged (or dropped) an inbound object."""
         return self.inbound.pop(object_id, None)
 
     # -- what this side sends -----------------------------------------------------
 
-    def announce(self, obj: OutboundObject) -> None:
+    def announce(self, obj: O) -> None:
         """Record an object this side is about to announce with a DataReady.
 
         Raises:
@@ -215,12 +273,12 @@ class Session:
             raise LocalProtocolError(f"illegal progress {ready} for object {object_id}")
         obj.ready = ready
 
-    def forget_outbound(self, object_id: int) -> OutboundObject | None:
-        """Drop an outbound object without an ACK (timeout, peer lost)."""
+    def forget_outbound(self, object_id: int) -> O | None:
+        """Drop an outbound object without an ACK (its send failed before the DataReady left)."""
         return self.outbound.pop(object_id, None)
 
-    def outbound_of(self, request_id: str) -> Iterator[OutboundObject]:
+    def outbound_of(self, request_id: str) -> Iterator[O]:
         return (o for o in list(self.outbound.values()) if o.request_id == request_id)
 
-    def inbound_of(self, request_id: str) -> Iterator[InboundObject]:
+    def inbound_of(self, request_id: str) -> Iterator[I]:
         return (o for o in list(self.inbound.values()) if o.request_id == request_id)
