@@ -20,7 +20,7 @@ from wire_strategies import acks, data_readies, hellos, messages
 
 
 def test_public_version_names() -> None:
-    assert omniwire.WIRE_VERSION == (1, 0)
+    assert omniwire.WIRE_VERSION == (1, 1)
     assert issubclass(omniwire.WireFormatError, omniwire.OmniwireError)
     assert issubclass(UnsupportedVersionError, WireFormatError)
 

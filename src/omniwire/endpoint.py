@@ -128,7 +128,7 @@ class _In:
 class _Peer:
     name: str
     address: str | None
-    session: wire.Session
+    session: wire.Session[_OutObj, _InObj]
     credits: Credits
     ready: anyio.Event = field(default_factory=anyio.Event)
     inbox: deque[wire.DataReadyMessage] = field(default_factory=deque)
@@ -153,6 +153,16 @@ class _Peer:
 
 
 _ABORT_MEMORY = 65536  # remembered aborted request ids
+
+
+@dataclass(eq=False)
+class _OutObj(wire.OutboundObject):
+    data: Any = None
+
+
+@dataclass(eq=False)
+class _InObj(wire.InboundObject):
+    data: Any = None
 
 
 @contextlib.asynccontextmanager
@@ -689,6 +699,8 @@ class Endpoint:
         if isinstance(msg, wire.HelloMessage):
             self._on_hello(msg)
             return None
+        if isinstance(msg, wire.BatchMessage | wire.GoodbyeMessage | wire.RefusalMessage):
+            return None  # 1.1 messages: handled by the endpoint package that replaces this module
         peer = self._peers.get(msg.from_stage)
         if peer is None:
             raise RemoteProtocolError(f"{type(msg).__name__} from unknown peer {msg.from_stage!r}")
@@ -729,7 +741,11 @@ class Endpoint:
     def _on_data_ready(self, peer: _Peer, msg: wire.DataReadyMessage) -> bool:
         """Queue a DataReady for the peer's worker; False if it was refused."""
         if msg.data_ref is not None:
-            peer.session.on_data_ready(msg, _In(msg))
+            ref = msg.data_ref
+            ready = ref.ref.length if ref.ready is None else ref.ready
+            peer.session.on_data_ready(
+                msg, _InObj(ref.object_id, msg.request_id, ref.ref.length, ready, _In(msg))
+            )
         else:
             peer.session.check(msg)
         limit = 4 * self.max_inflight + self._budget.max_count
@@ -887,7 +903,7 @@ class Endpoint:
             )
         )
 
-    async def _wait_ready(self, obj: wire.InboundObject, done: int) -> int:
+    async def _wait_ready(self, obj: _InObj, done: int) -> int:
         """Wait until the sender announced bytes past ``done``; return the new ``ready``."""
         while obj.ready <= done:
             state: _In = obj.data
@@ -901,7 +917,7 @@ class Endpoint:
         return obj.ready
 
     async def _fetch(
-        self, peer: _Peer, backend: BackendBase, ref: wire.DataRef, obj: wire.InboundObject
+        self, peer: _Peer, backend: BackendBase, ref: wire.DataRef, obj: _InObj
     ) -> tuple[Any, Any]:
         """Take an object's data. Returns the payload and, in zero-copy mode, the
         callback that releases it; otherwise the object is acknowledged here."""
@@ -1340,7 +1356,7 @@ class Endpoint:
             # sends and receives in order, so both must happen in DataReady order.
             async with _locked(peer.send_lock):
                 peer.session.announce(
-                    wire.OutboundObject(object_id, request_id, layout.nbytes, points[0], record)
+                    _OutObj(object_id, request_id, layout.nbytes, points[0], record)
                 )
                 announced = True
                 if record.buffer is not None and record.buffer.layout == "packed":
@@ -1381,7 +1397,7 @@ class Endpoint:
             record.backend.free(record.buffer)
             record.buffer = None
 
-    def _on_ack(self, peer: _Peer, obj: wire.OutboundObject, msg: wire.DataAckMessage) -> None:
+    def _on_ack(self, peer: _Peer, obj: _OutObj, msg: wire.DataAckMessage) -> None:
         record: _Out = obj.data
         self._free(record)
         peer.credits.release(record.credit)
@@ -1534,7 +1550,7 @@ class Endpoint:
         for scope in list(self._send_scopes.get("peer:" + peer.name, ())):
             scope.cancel()
 
-    def _release_out(self, peer: _Peer, obj: wire.OutboundObject, error: BaseException) -> None:
+    def _release_out(self, peer: _Peer, obj: _OutObj, error: BaseException) -> None:
         record: _Out = obj.data
         self._free(record)
         peer.credits.release(record.credit)
@@ -1543,8 +1559,8 @@ class Endpoint:
     def _release_lost(
         self,
         peer: _Peer,
-        lost_out: list[wire.OutboundObject],
-        lost_in: list[wire.InboundObject],
+        lost_out: list[_OutObj],
+        lost_in: list[_InObj],
         error: BaseException,
     ) -> None:
         for obj in lost_out:
