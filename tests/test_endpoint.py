@@ -124,7 +124,7 @@ async def test_ack_timeout_names_the_peer_and_the_object() -> None:
         with anyio.fail_after(5):
             while a.in_flight()["b"] != (0, 0):
                 await anyio.sleep(0.02)
-        assert a.backend("shm").stats()["leases"] == 0
+        assert a.backend("shm").stats().exports == 0
 
 
 async def test_abort_releases_buffers_on_both_sides() -> None:
@@ -135,7 +135,7 @@ async def test_abort_releases_buffers_on_both_sides() -> None:
         with anyio.fail_after(10):
             while len(b._queue) < 4:
                 await anyio.sleep(0.01)
-        assert a.backend("shm").stats()["leases"] == 4
+        assert a.backend("shm").stats().exports == 4
         await b.abort("doomed", "client went away")
         for r in receipts:
             with pytest.raises(RequestAbortedError):
@@ -145,9 +145,9 @@ async def test_abort_releases_buffers_on_both_sides() -> None:
         kept.release()
         await other.wait(10)
         with anyio.fail_after(10):
-            while a.backend("shm").stats()["leases"] or any(any(v) for v in b.in_flight().values()):
+            while a.backend("shm").stats().exports or any(any(v) for v in b.in_flight().values()):
                 await anyio.sleep(0.01)
-        assert b.backend("shm").stats()["open"] == 0
+        assert b.backend("shm").stats().imports == 0
         with pytest.raises(RequestAbortedError):
             await a.stream("b", torch.ones(2), request_id="doomed")
 

@@ -87,14 +87,14 @@ async def test_sigkilled_receiver_fails_pending_sends_and_returns_buffers() -> N
                 await ep.send("slow", {"t": torch.ones(1 << 16)}, request_id=f"r{i}")
                 for i in range(3)
             ]
-            assert ep.backend("shm").stats()["leases"] == 3
+            assert ep.backend("shm").stats().exports == 3
             started = anyio.current_time()
             slow.kill()
             for r in receipts:
                 with pytest.raises(PeerLostError, match="slow"):
                     await r.wait(20)
             assert anyio.current_time() - started < 20
-            assert ep.backend("shm").stats()["leases"] == 0
+            assert ep.backend("shm").stats().exports == 0
             assert ep.in_flight()["slow"] == (0, 0)
             r = await ep.send("good", {"t": torch.arange(10)}, request_id="after")
             d = await ep.receive()

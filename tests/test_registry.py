@@ -10,7 +10,14 @@ from typing import Any, ClassVar
 import pytest
 
 from omniwire import registry
-from omniwire.backends.base import Availability, Capabilities, ObjectBackend, PeerInfo
+from omniwire.backends.base import (
+    Availability,
+    Capabilities,
+    Export,
+    Import,
+    ObjectBackend,
+    PeerInfo,
+)
 from omniwire.backends.shm import ShmBackend
 from omniwire.errors import BackendUnavailableError
 from omniwire.registry import PluginError
@@ -54,22 +61,19 @@ class _Unavailable(ObjectBackend):
     def availability(cls) -> Availability:
         return Availability.missing("the foo library is not installed", "pip install foo")
 
-    def put_object(self, peer: PeerInfo, value: Any) -> bytes:
-        return b""
+    def export_object(self, peer: PeerInfo, value: Any) -> Export:
+        raise NotImplementedError
 
-    def take_object(self, peer: PeerInfo, info: bytes) -> Any:
-        return None
-
-    def discard(self, info: bytes) -> None:
-        pass
+    async def import_(self, peer: PeerInfo, ref: bytes, nbytes: int) -> Import:
+        raise NotImplementedError
 
 
-class _Incomplete(ObjectBackend):  # take_object and discard are missing
+class _Incomplete(ObjectBackend):  # import_ is missing
     name: ClassVar[str] = "incomplete"
     capabilities: ClassVar[Capabilities] = Capabilities()
 
-    def put_object(self, peer: PeerInfo, value: Any) -> bytes:
-        return b""
+    def export_object(self, peer: PeerInfo, value: Any) -> Export:
+        raise NotImplementedError
 
 
 def test_unavailable_backend_reports_reason_and_hint() -> None:
@@ -88,7 +92,7 @@ def test_unavailable_backend_reports_reason_and_hint() -> None:
 
 
 def test_interface_is_checked_at_registration_naming_the_plugin() -> None:
-    with pytest.raises(PluginError, match=r"incomplete.*does not implement discard, take_object"):
+    with pytest.raises(PluginError, match=r"incomplete.*does not implement import_"):
         registry.register_backend("incomplete", _Incomplete)  # type: ignore[type-abstract]
     with pytest.raises(PluginError, match="not a ByteBackend or ObjectBackend"):
         registry.register_backend("bogus", dict)  # type: ignore[arg-type]

@@ -48,8 +48,9 @@ from .backends.base import (
     BackendContext,
     ByteBackend,
     Locality,
+    Export,
+    Import,
     ObjectBackend,
-    OutboundBuffer,
     PeerInfo,
 )
 from .control import ControlPlane, CurveKey, PeerEvent
@@ -107,7 +108,7 @@ class _Out:
     """Sender-side bookkeeping of one object in flight (``OutboundObject.data``)."""
 
     backend: BackendBase
-    buffer: OutboundBuffer | None
+    buffer: Export | None
     info: bytes
     receipt: SendReceipt
     credit: int
@@ -493,7 +494,7 @@ class Endpoint:
             abort_address=self._control.abort_address,
             devices=self._devices,
             backends=tuple(
-                wire.BackendInfo(name=n, info=b.local_info()) for n, b in self._backends.items()
+                wire.BackendInfo(name=n, info=b.hello()) for n, b in self._backends.items()
             ),
             is_reply=reply,
         )
@@ -653,7 +654,7 @@ class Endpoint:
         obj = peer.session.inbound.get(ref.object_id)
         return (
             isinstance(backend, ByteBackend)
-            and backend.takes_small_objects_inline
+            and type(backend).capabilities.mapped
             and obj is not None
             and obj.ready == obj.length
             and ref.layout == "packed"
@@ -928,17 +929,19 @@ class Endpoint:
                 raise BackendError(
                     f"backend {ref.backend} expects layout 'object', got {ref.layout!r}"
                 )
-            value = backend.take_object(info, ref.ref.info)
+            imp = await backend.import_(info, ref.ref.info, 0)
+            value = imp.value
+            imp.close()
             self._ack(peer, oid)
             return value, None
         assert isinstance(backend, ByteBackend)
         length = ref.ref.length
-        inb = await backend.open(info, ref.ref.info, length)
+        inb = await backend.import_(info, ref.ref.info, length)
         state: _In = obj.data
         state.opened = True
         try:
             if ref.layout == "per_tensor":
-                await backend.fetch(inb, 0, length)
+                await inb.fetch(0, length)
                 tensors = list(inb.tensors or [])
                 if not self.zero_copy:
                     tensors = [t.clone() for t in tensors]
@@ -947,7 +950,7 @@ class Endpoint:
                 done = 0
                 while done < length:
                     ready = await self._wait_ready(obj, done)
-                    await backend.fetch(inb, done, ready, dest)
+                    await inb.fetch(done, ready, dest)
                     done = ready
                 source = dest if dest is not None else inb.buffer
                 if source is None:
@@ -959,10 +962,10 @@ class Endpoint:
                 tensors = packing.unpack(source, ref.tensors, copy=False)
             value = codec.loads(ref.header, tensors, allow_pickle=self.allow_pickle)
         except BaseException:
-            backend.close(inb)
+            inb.close()
             raise
         if not self.zero_copy:
-            backend.close(inb)
+            inb.close()
             self._ack(peer, oid)
             return value, None
         instance = info.instance
@@ -970,7 +973,7 @@ class Endpoint:
         request_id = obj.request_id
 
         def release() -> None:
-            backend.close(inb)
+            inb.close()
             current = self._peers.get(peer.name)
             if (
                 current is not None
@@ -1000,14 +1003,11 @@ class Endpoint:
             return  # already acknowledged or dropped
         state: _In = obj.data
         ref = state.msg.data_ref
-        if not state.opened and ref is not None:  # refused unopened: let the engine know
-            backend = self._backends.get(ref.backend)
+        if not state.opened and ref is not None:  # refused unopened: a two-sided engine
+            backend = self._backends.get(ref.backend)  # must still consume it
             info = peer.info.get(ref.backend)
-            if isinstance(backend, ByteBackend) and info is not None:
-                try:
-                    backend.drop(info, ref.ref.info, ref.ref.length)
-                except Exception:
-                    log.exception("%s: %s.drop failed", self.name, ref.backend)
+            if backend is not None and info is not None and backend.capabilities.two_sided:
+                self._spawn(self._consume, backend, info, ref)
         msg = wire.DataAckMessage(
             object_id=object_id,
             from_stage=self.name,
@@ -1017,6 +1017,10 @@ class Endpoint:
         )
         self._count("acks_sent" if error is None else "nacks_sent")
         self._send_soon(peer.name, wire.encode(msg))
+
+    async def _consume(self, backend: BackendBase, info: PeerInfo, ref: wire.DataRef) -> None:
+        with contextlib.suppress(OmniwireError):
+            (await backend.import_(info, ref.ref.info, ref.ref.length)).close()
 
     def _nack(self, peer: _Peer, object_id: int, error: str) -> None:
         self._ack(peer, object_id, error[: wire.MAX_TEXT_BYTES // 4])
@@ -1304,7 +1308,9 @@ class Endpoint:
         announced = False
         try:  # from here on, whatever goes wrong frees what was taken
             if isinstance(backend, ObjectBackend):
-                record.info = backend.put_object(info, payload)
+                exp = backend.export_object(info, payload)
+                record.buffer = exp
+                record.info = exp.ref
                 ref = wire.DataRef(
                     object_id=object_id,
                     kind=kind,
@@ -1317,7 +1323,7 @@ class Endpoint:
                 device = next((str(t.device) for t in enc.tensors if t.device.type != "cpu"), "cpu")
                 out = await backend.export_tensors(info, enc.tensors)
                 if out is None:
-                    out = await backend.allocate(info, layout.nbytes, device)
+                    out = await backend.export(info, layout.nbytes, device)
                     record.buffer = out
                     if (
                         type(backend).capabilities.progressive
@@ -1328,13 +1334,13 @@ class Endpoint:
                     assert out.buffer is not None
                     await self._pack(out.buffer, enc.tensors, layout, 0, points[0])
                 record.buffer = out
-                record.info = backend.describe(out)
+                record.info = out.ref
                 first = points[0]
                 ref = wire.DataRef(
                     object_id=object_id,
                     kind=kind,
                     backend=backend.name,
-                    layout=out.layout,  # type: ignore[arg-type]
+                    layout=out.layout,
                     ref=wire.BackendRef(
                         backend=backend.name, info=record.info, length=layout.nbytes
                     ),
@@ -1361,7 +1367,7 @@ class Endpoint:
                 announced = True
                 if record.buffer is not None and record.buffer.layout == "packed":
                     assert isinstance(backend, ByteBackend)
-                    await backend.publish(record.buffer, 0, points[0])
+                    await record.buffer.publish(0, points[0])
                 await self._send_frame(peer.name, frame)
         except BaseException:
             if announced:
@@ -1377,7 +1383,7 @@ class Endpoint:
                 if object_id not in peer.session.outbound:
                     return  # lost or aborted meanwhile: the receiver drops it
                 await self._pack(out.buffer, enc.tensors, layout, lo, hi)
-                await backend.publish(out, lo, hi)
+                await out.publish(lo, hi)
                 if object_id not in peer.session.outbound:
                     return
                 peer.session.advance(object_id, hi)
@@ -1391,10 +1397,8 @@ class Endpoint:
                 )
 
     def _free(self, record: _Out) -> None:
-        if isinstance(record.backend, ObjectBackend):
-            record.backend.discard(record.info)
-        elif record.buffer is not None and isinstance(record.backend, ByteBackend):
-            record.backend.free(record.buffer)
+        if record.buffer is not None:
+            record.buffer.release()
             record.buffer = None
 
     def _on_ack(self, peer: _Peer, obj: _OutObj, msg: wire.DataAckMessage) -> None:

@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Literal, Protocol, runtime_checkable
 
-from .backends.base import Capabilities, Locality
+from .capabilities import Capabilities, Locality
 from .errors import NoRouteError
 from .wire import INLINE_MAX_TENSOR_BYTES
 

@@ -1,37 +1,36 @@
-"""The backend interface: a few async methods that move bytes, and declared capabilities.
+"""The backend interface: a transport that exports buffers and imports references.
 
-A backend knows nothing of messages, endpoints or routing. The endpoint packs a
-payload into a buffer the backend hands out, asks the backend to publish it, and
-sends the backend's opaque reference in a DataRef; the peer's backend opens that
-reference and fetches the bytes. Two kinds of backend exist:
+A backend knows nothing of messages, endpoints or routing. It hands out
+*handles* that own their resources and release them exactly once:
 
-- :class:`ByteBackend` moves packed bytes (shm, mooncake, nixl, nccl, cuda_ipc, …).
-- :class:`ObjectBackend` hands a Python object over inside one process (local).
+Sender side, one :class:`Export` per object::
 
-Sender side of a ByteBackend, for one object::
+    exp = await backend.export(peer, nbytes, device)   # a writable buffer, reserved
+    ...the endpoint packs bytes into exp.buffer...
+    await exp.publish(lo, hi)                         # bytes [lo, hi) are written
+    exp.ref                                           # -> BackendRef.info in the DataReady
+    ...the peer's ACK (or its loss) arrives...
+    exp.release()                                     # idempotent: the buffer may be reused
 
-    out = await allocate(peer, nbytes, device)    # a writable buffer, reserved
-    ...packing writes bytes into out.buffer...
-    await publish(out, lo, hi)                    # bytes [lo, hi) are written
-    info = describe(out)                          # -> BackendRef.info
-    ...DataReady sent; later the peer's ACK arrives...
-    free(out)                                     # the buffer may be reused
+Receiver side, one :class:`Import` per announced object::
 
-Receiver side::
+    imp = await backend.import_(peer, ref, nbytes)    # validate the reference, map/allocate
+    await imp.fetch(lo, hi, dest)                     # bytes [lo, hi) into dest (or imp.buffer)
+    imp.close()                                       # idempotent: before the ACK is sent
 
-    inb = await open(peer, info, length)          # validate the reference, map/allocate
-    await fetch(inb, lo, hi, dest)                # bytes [lo, hi) into dest (or inb.buffer)
-    close(inb)                                    # before the ACK is sent
+:class:`ByteBackend` moves packed bytes (shm, mooncake, nixl, nccl, cuda_ipc, …);
+:class:`ObjectBackend` hands a Python object over inside one process (local).
+The base class counts live handles, so :meth:`BackendBase.stats` is filled the
+same way for every backend and no backend keeps its own "already freed?" set.
 
-Every method documents what it raises; engine errors are translated at this
-boundary into :class:`~omniwire.errors.BackendError` (see :func:`map_errors`).
+Every method lists what it raises; engine errors are translated once, at this
+boundary, into :class:`~omniwire.errors.BackendError` (see :func:`map_errors`).
 """
 
 from __future__ import annotations
 
 import abc
 import contextlib
-import enum
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
@@ -39,18 +38,21 @@ from typing import Any, ClassVar, Literal
 import anyio
 import torch
 
+from ..capabilities import Capabilities, Locality
 from ..errors import BackendError
 
 __all__ = [
+    "THREAD_COPY_THRESHOLD",
     "Availability",
     "BackendBase",
     "BackendContext",
+    "BackendStats",
     "ByteBackend",
     "Capabilities",
-    "InboundBuffer",
+    "Export",
+    "Import",
     "Locality",
     "ObjectBackend",
-    "OutboundBuffer",
     "PeerInfo",
     "copy_range",
     "map_errors",
@@ -59,68 +61,7 @@ __all__ = [
 #: Copies at least this large run in a worker thread, off the event loop.
 THREAD_COPY_THRESHOLD = 2 << 20  # ~120 µs of memcpy: a thread hop costs more below
 
-
-class Locality(str, enum.Enum):
-    """Where a peer is, relative to this endpoint."""
-
-    SAME_PROCESS = "same_process"
-    SAME_HOST = "same_host"
-    CROSS_HOST = "cross_host"
-
-
-@dataclass(frozen=True)
-class Capabilities:
-    """What a backend can carry; routing reads these, never backend names.
-
-    Attributes:
-        devices: memory kinds the backend delivers natively (``"cpu"``, ``"cuda"``).
-            Tensors on other devices are staged through host memory.
-        localities: where a peer may be for this backend to reach it.
-        streaming: carries stream chunks.
-        payloads: carries whole payloads (inline carries stream chunks only).
-        host_staging: accepts tensors on devices it does not carry natively by
-            staging them through host memory (they arrive on the CPU).
-        max_nbytes: the largest object it carries, or None for no limit.
-        progressive: the receiver can fetch byte ranges while the sender still
-            writes later ones (spec §5.2).
-        zero_copy: the receiver can view the bytes in place.
-        opt_in: routed only when configured for an edge or chosen by a policy
-            (e.g. it needs a process group); the reason says what to configure.
-        needs_gpu_peer_access: both ends must be GPUs that can access each other.
-        preference: among backends that fit an edge, the highest wins.
-    """
-
-    devices: frozenset[str] = frozenset({"cpu"})
-    localities: frozenset[Locality] = frozenset(Locality)
-    streaming: bool = True
-    payloads: bool = True
-    host_staging: bool = True
-    max_nbytes: int | None = None
-    progressive: bool = False
-    zero_copy: bool = False
-    opt_in: str | None = None
-    needs_gpu_peer_access: bool = False
-    preference: int = 0
-
-    def describe(self) -> str:
-        parts = [
-            "devices=" + ",".join(sorted(self.devices)),
-            "localities=" + ",".join(sorted(loc.value for loc in self.localities)),
-        ]
-        if self.streaming:
-            parts.append("streaming")
-        if self.progressive:
-            parts.append("progressive")
-        if self.zero_copy:
-            parts.append("zero-copy")
-        if self.max_nbytes is not None:
-            parts.append(f"max={self.max_nbytes}B")
-        if self.needs_gpu_peer_access:
-            parts.append("needs-gpu-peer-access")
-        if self.opt_in:
-            parts.append(f"opt-in ({self.opt_in})")
-        parts.append(f"preference={self.preference}")
-        return " ".join(parts)
+Layout = Literal["packed", "per_tensor", "object"]
 
 
 @dataclass(frozen=True)
@@ -173,35 +114,134 @@ class BackendContext:
     host: str = "127.0.0.1"
 
 
-@dataclass(eq=False)
-class OutboundBuffer:
-    """A sender-side buffer reserved for one object until :meth:`ByteBackend.free`.
+@dataclass(frozen=True)
+class BackendStats:
+    """What a backend holds. ``exports`` and ``imports`` are the live handles, counted
+    by the base class; after every object was acknowledged both are 0."""
 
-    ``buffer`` is a 1-D uint8 tensor of at least ``nbytes`` that packing writes
-    into; ``handle`` is the backend's own bookkeeping.
+    exports: int
+    imports: int
+    #: Backend-specific counters (bytes in use, segments, registrations, …).
+    detail: Mapping[str, int] = field(default_factory=dict)
+
+    @property
+    def idle(self) -> bool:
+        """Nothing in flight: no export and no import is alive."""
+        return self.exports == 0 and self.imports == 0
+
+
+class Export(abc.ABC):
+    """The sender side of one object, reserved until :meth:`release`.
+
+    ``buffer`` is where the endpoint packs the bytes (a 1-D uint8 tensor of at
+    least ``nbytes``) for the ``packed`` layout, None otherwise. Subclasses
+    implement :attr:`ref` and, if they hold anything, :meth:`_release`.
     """
 
-    peer: PeerInfo
-    nbytes: int
-    buffer: torch.Tensor | None
-    handle: Any = None
-    #: "packed", or "per_tensor" when the backend shares tensors without packing.
-    layout: str = "packed"
+    def __init__(
+        self,
+        backend: BackendBase,
+        nbytes: int,
+        buffer: torch.Tensor | None = None,
+        *,
+        layout: Layout = "packed",
+    ) -> None:
+        self.backend = backend
+        self.nbytes = nbytes
+        self.buffer = buffer
+        self.layout: Layout = layout
+        self._released = False
+        backend._live_exports += 1
+
+    @property
+    @abc.abstractmethod
+    def ref(self) -> bytes:
+        """The opaque reference the peer's backend imports (``BackendRef.info``)."""
+
+    async def publish(self, lo: int, hi: int) -> None:
+        """Bytes ``[lo, hi)`` of the buffer are written: make them available to the peer.
+
+        Raises:
+            BackendError: the engine failed.
+        """
+
+    @property
+    def released(self) -> bool:
+        return self._released
+
+    def release(self) -> None:
+        """The peer acknowledged (or is gone): free or reuse the buffer. Idempotent."""
+        if self._released:
+            return
+        self._released = True
+        self.buffer = None
+        self.backend._live_exports -= 1
+        self._release()
+
+    def _release(self) -> None:
+        """Free what this export holds (called once)."""
 
 
-@dataclass(eq=False)
-class InboundBuffer:
-    """A receiver-side view of one object until :meth:`ByteBackend.close`.
+class Import:
+    """The receiver side of one announced object, open until :meth:`close`.
 
-    For the packed layout ``buffer`` holds the bytes fetched so far; for
-    ``per_tensor`` the backend fills ``tensors`` instead.
+    For the packed layout ``buffer`` holds the bytes fetched so far (or views the
+    sender's memory); for ``per_tensor`` the backend fills ``tensors``; for
+    ``object`` (in-process hand-off) ``value`` is the object itself.
     """
 
-    peer: PeerInfo
-    nbytes: int
-    buffer: torch.Tensor | None = None
-    tensors: list[torch.Tensor] | None = None
-    handle: Any = None
+    def __init__(
+        self,
+        backend: BackendBase,
+        peer: PeerInfo,
+        nbytes: int,
+        *,
+        buffer: torch.Tensor | None = None,
+        tensors: list[torch.Tensor] | None = None,
+        value: Any = None,
+    ) -> None:
+        self.backend = backend
+        self.peer = peer
+        self.nbytes = nbytes
+        self.buffer = buffer
+        self.tensors = tensors
+        self.value = value
+        self._closed = False
+        backend._live_imports += 1
+
+    async def fetch(self, lo: int, hi: int, dest: torch.Tensor | None = None) -> None:
+        """Make bytes ``[lo, hi)`` available: in ``dest[lo:hi]`` if given, else in
+        ``buffer``. The default copies from ``buffer`` (mapped memory).
+
+        Raises:
+            BackendError: the engine failed to move the bytes.
+        """
+        if dest is not None:
+            if self.buffer is None:
+                raise BackendError(f"{self.backend.name}: import has no buffer to copy from")
+            await copy_range(dest, self.buffer, lo, hi)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self) -> None:
+        """The receiver is done (the ACK follows). Idempotent.
+
+        It may come before every byte was fetched (abort, error): a two-sided
+        engine must then still consume the rest of the object.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        self.backend._live_imports -= 1
+        self._close()
+        self.buffer = None
+        self.tensors = None
+        self.value = None
+
+    def _close(self) -> None:
+        """Release what this import holds (called once)."""
 
 
 class BackendBase(abc.ABC):
@@ -222,6 +262,8 @@ class BackendBase(abc.ABC):
 
     def __init__(self, ctx: BackendContext) -> None:
         self.ctx = ctx
+        self._live_exports = 0
+        self._live_imports = 0
 
     @classmethod
     def availability(cls) -> Availability:
@@ -229,38 +271,58 @@ class BackendBase(abc.ABC):
         return Availability.ok()
 
     async def start(self) -> None:
-        """Start engines, allocate pools. Raises BackendError on failure."""
+        """Start engines, allocate pools.
 
-    def local_info(self) -> bytes:
+        Raises:
+            BackendError: the engine cannot start.
+        """
+
+    def hello(self) -> bytes:
         """Connection info for this endpoint's Hello (``BackendInfo.info``)."""
         return b""
 
     async def connect(self, peer: PeerInfo) -> None:
-        """A peer that runs this backend completed its Hello."""
+        """A peer that runs this backend completed its Hello.
+
+        Raises:
+            BackendError: its connection info is unusable, or the engine cannot reach
+                it; the endpoint then routes around this backend for that peer.
+        """
 
     async def disconnect(self, peer: PeerInfo) -> None:
         """The peer is gone (closed, lost, or restarted): drop what belongs to it."""
 
     async def aclose(self) -> None:
-        """Release every resource. Idempotent."""
+        """Release every resource. Idempotent. Handles still alive become inert."""
 
-    def stats(self) -> dict[str, int]:
-        """Counters for tests and ``omniwire backends``; at least the in-flight counts."""
+    def stats(self) -> BackendStats:
+        """Live handles (counted here) and the backend's own :meth:`detail` counters."""
+        return BackendStats(self._live_exports, self._live_imports, self.detail())
+
+    def detail(self) -> dict[str, int]:
+        """Backend-specific counters for ``stats()`` (override; default none)."""
         return {}
+
+    @abc.abstractmethod
+    async def import_(self, peer: PeerInfo, ref: bytes, nbytes: int) -> Import:
+        """Validate and open a reference from ``peer`` (``BackendRef.info``).
+
+        For the packed layout ``Import.buffer`` must be set, also for a 0-byte
+        object; an object backend sets ``Import.value``.
+
+        Raises:
+            BackendError: the reference is malformed, names memory (or an object)
+                the peer does not own, or lies outside it.
+            BackendClosedError: the backend is closed.
+        """
 
 
 class ByteBackend(BackendBase):
     """A backend that moves packed bytes. See the module docstring for the flow."""
 
-    layout: ClassVar[str] = "packed"
-    #: ``open`` + ``fetch`` of a small, fully announced object complete without
-    #: waiting on I/O (they only touch mapped memory), so the endpoint may take such
-    #: objects directly in its receive loop instead of a worker task.
-    takes_small_objects_inline: ClassVar[bool] = False
-
     @abc.abstractmethod
-    async def allocate(self, peer: PeerInfo, nbytes: int, device: str) -> OutboundBuffer:
-        """Reserve a buffer of ``nbytes`` for an object to ``peer``.
+    async def export(self, peer: PeerInfo, nbytes: int, device: str) -> Export:
+        """Reserve a buffer of ``nbytes`` for an object to ``peer`` (layout ``packed``).
 
         ``device`` is where the payload's tensors are (``"cpu"``, ``"cuda:0"``).
 
@@ -269,81 +331,27 @@ class ByteBackend(BackendBase):
             BackendClosedError: the backend is closed.
         """
 
-    async def export_tensors(
-        self, peer: PeerInfo, tensors: list[torch.Tensor]
-    ) -> OutboundBuffer | None:
-        """Share ``tensors`` without packing (layout ``per_tensor``), or return None.
+    async def export_tensors(self, peer: PeerInfo, tensors: list[torch.Tensor]) -> Export | None:
+        """Share ``tensors`` as they are, without packing (layout ``per_tensor``), or
+        return None and let the endpoint pack into :meth:`export`. The caller does
+        not modify the tensors until the export is released.
 
-        The default returns None: the endpoint then packs into :meth:`allocate`.
+        Raises:
+            BackendError, BackendClosedError: as :meth:`export`.
         """
         return None
-
-    async def publish(self, out: OutboundBuffer, lo: int, hi: int) -> None:
-        """Bytes ``[lo, hi)`` of ``out`` are written; make them available to the peer."""
-
-    @abc.abstractmethod
-    def describe(self, out: OutboundBuffer) -> bytes:
-        """The opaque reference the peer's backend will ``open`` (BackendRef.info)."""
-
-    @abc.abstractmethod
-    def free(self, out: OutboundBuffer) -> None:
-        """The peer acknowledged (or is gone): the buffer may be reused. Idempotent."""
-
-    @abc.abstractmethod
-    async def open(self, peer: PeerInfo, info: bytes, nbytes: int) -> InboundBuffer:
-        """Validate and open a reference from ``peer``.
-
-        ``inb.buffer`` must be set for the packed layout, also for a 0-byte object.
-
-        Raises:
-            BackendError: the reference is malformed, names memory the peer does not
-                own, or lies outside it.
-        """
-
-    async def fetch(
-        self, inb: InboundBuffer, lo: int, hi: int, dest: torch.Tensor | None = None
-    ) -> None:
-        """Make bytes ``[lo, hi)`` available: in ``dest[lo:hi]`` if given, else in
-        ``inb.buffer``. The default copies from ``inb.buffer`` (mapped memory).
-
-        Raises:
-            BackendError: the engine failed to move the bytes.
-        """
-        if dest is not None:
-            assert inb.buffer is not None
-            await copy_range(dest, inb.buffer, lo, hi)
-
-    @abc.abstractmethod
-    def close(self, inb: InboundBuffer) -> None:
-        """The receiver is done with ``inb`` (the ACK follows). Idempotent.
-
-        It may be called before every byte was fetched (abort, error): a
-        two-sided engine must then still consume the rest of the object.
-        """
-
-    def drop(self, peer: PeerInfo, info: bytes, nbytes: int) -> None:
-        """The receiver refuses an announced object without opening it (abort,
-        error, full queue); a NACK follows. One-sided engines need nothing; a
-        two-sided engine must still consume the object so later ones stay paired.
-        """
 
 
 class ObjectBackend(BackendBase):
     """A backend that hands Python objects over inside one process (layout ``object``)."""
 
-    layout: ClassVar[str] = "object"
-
     @abc.abstractmethod
-    def put_object(self, peer: PeerInfo, value: Any) -> bytes:
-        """Keep ``value`` for ``peer``; return the reference (BackendRef.info)."""
+    def export_object(self, peer: PeerInfo, value: Any) -> Export:
+        """Keep ``value`` for ``peer`` until it is imported or the export released.
 
-    @abc.abstractmethod
-    def take_object(self, peer: PeerInfo, info: bytes) -> Any:
-        """Take the value a reference names. Raises BackendError if there is none."""
-
-    @abc.abstractmethod
-    def discard(self, info: bytes) -> None:
-        """Drop a value that will not be taken (abort, peer lost). Idempotent."""
+        Raises:
+            BackendClosedError: the backend is closed.
+        """
 
 
 async def copy_range(dest: torch.Tensor, src: torch.Tensor, lo: int, hi: int) -> None:
@@ -360,7 +368,13 @@ async def copy_range(dest: torch.Tensor, src: torch.Tensor, lo: int, hi: int) ->
 def map_errors(
     mapping: Mapping[type[BaseException], type[BackendError]], context: str
 ) -> Iterator[None]:
-    """Translate engine exceptions into omniwire errors at the backend boundary."""
+    """Translate engine exceptions into omniwire errors at the backend boundary::
+
+        with map_errors({OSError: BackendError}, f"shm: cannot map {name}"):
+            ...
+
+    ``BackendError`` passes through unchanged; the first matching key wins.
+    """
     try:
         yield
     except BackendError:

@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 
 from ..errors import BackendClosedError, BackendError
 from ..wire import MAX_HEADER_DEPTH
-from .base import Capabilities, Locality, ObjectBackend, PeerInfo
+from .base import BackendBase, Capabilities, Export, Import, Locality, ObjectBackend, PeerInfo
 
 __all__ = ["LocalBackend", "copy_containers"]
 
@@ -43,6 +43,22 @@ def copy_containers(value: Any, depth: int = 0) -> Any:
     return {copy_containers(v, d) for v in value}
 
 
+class _ObjectExport(Export):
+    """A value waiting in the process-wide table under ``key``."""
+
+    def __init__(self, backend: BackendBase, key: bytes) -> None:
+        super().__init__(backend, 0, layout="object")
+        self.key = key
+
+    @property
+    def ref(self) -> bytes:
+        return self.key
+
+    def _release(self) -> None:
+        with _lock:
+            _table.pop(self.key, None)
+
+
 class LocalBackend(ObjectBackend):
     name: ClassVar[str] = "local"
     summary: ClassVar[str] = "the object is handed over in-process, without serialization"
@@ -55,42 +71,36 @@ class LocalBackend(ObjectBackend):
 
     def __init__(self, ctx: Any) -> None:
         super().__init__(ctx)
-        self._mine: set[bytes] = set()
         self._closed = False
 
-    def put_object(self, peer: PeerInfo, value: Any) -> bytes:
+    def export_object(self, peer: PeerInfo, value: Any) -> Export:
         if self._closed:
             raise BackendClosedError("local backend is closed")
         key = f"{self.ctx.instance:x}:{next(_ids)}".encode()
         copied = copy_containers(value)
         with _lock:
             _table[key] = copied
-        self._mine.add(key)
-        return key
+        return _ObjectExport(self, key)
 
-    def take_object(self, peer: PeerInfo, info: bytes) -> Any:
+    async def import_(self, peer: PeerInfo, ref: bytes, nbytes: int) -> Import:
         with _lock:
             try:
-                return _table.pop(info)
+                value = _table.pop(ref)
             except KeyError:
                 raise BackendError(
-                    f"local object {info[:64]!r} from {peer.name!r} does not exist in this "
+                    f"local object {ref[:64]!r} from {peer.name!r} does not exist in this "
                     "process (already taken, released, or the sender is elsewhere)"
                 ) from None
-
-    def discard(self, info: bytes) -> None:
-        with _lock:
-            _table.pop(info, None)
-        self._mine.discard(info)
+        return Import(self, peer, 0, value=value)
 
     async def aclose(self) -> None:
         self._closed = True
-        with _lock:
-            for key in self._mine:
-                _table.pop(key, None)
-        self._mine.clear()
+        prefix = f"{self.ctx.instance:x}:".encode()
+        with _lock:  # values never taken: nobody will import them now
+            for key in [k for k in _table if k.startswith(prefix)]:
+                del _table[key]
 
-    def stats(self) -> dict[str, int]:
+    def detail(self) -> dict[str, int]:
         with _lock:
-            held = sum(1 for k in self._mine if k in _table)
-        return {"objects_held": held}
+            prefix = f"{self.ctx.instance:x}:".encode()
+            return {"objects_waiting": sum(1 for k in _table if k.startswith(prefix))}

@@ -48,9 +48,9 @@ from .base import (
     BackendContext,
     ByteBackend,
     Capabilities,
-    InboundBuffer,
+    Export,
+    Import,
     Locality,
-    OutboundBuffer,
     PeerInfo,
 )
 
@@ -61,6 +61,7 @@ log = logging.getLogger("omniwire.shm")
 SHM_DIR = "/dev/shm"
 PREFIX = "omniwire-"
 _NAME = re.compile(r"^omniwire-(\d+)-([0-9a-f]{8,32})-(\d+)$")
+_PREFIX = re.compile(r"^omniwire-(\d+)-([0-9a-f]{8,32})$")
 _MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 
 
@@ -229,13 +230,41 @@ def sweep_stale_segments(directory: str = SHM_DIR, names: set[str] | None = None
     return removed
 
 
-class _Lease:
-    __slots__ = ("dedicated", "offset", "segment")
+class _ShmExport(Export):
+    """A slot of the arena, or a dedicated segment, until the peer's ACK."""
 
-    def __init__(self, segment: Segment, offset: int, dedicated: bool) -> None:
+    def __init__(
+        self, backend: ShmBackend, segment: Segment, offset: int, nbytes: int, dedicated: bool
+    ) -> None:
+        super().__init__(backend, nbytes, segment.view(offset, nbytes))
+        self.shm = backend
         self.segment = segment
         self.offset = offset
         self.dedicated = dedicated
+
+    @property
+    def ref(self) -> bytes:
+        return _encoder.encode(_Ref(self.segment.name, self.offset, self.nbytes, self.dedicated))
+
+    def _release(self) -> None:
+        self.shm._free(self)
+
+
+class _ShmImport(Import):
+    """A view of the sender's segment (mapped once per segment and peer)."""
+
+    def __init__(
+        self, backend: ShmBackend, peer: PeerInfo, nbytes: int, view: torch.Tensor, ref: _Ref
+    ) -> None:
+        super().__init__(backend, peer, nbytes, buffer=view)
+        self.shm = backend
+        self.ref = ref
+
+    def _close(self) -> None:
+        if self.ref.dedicated:  # used once: unmap now (views alive keep it until collected)
+            seg = self.shm._mapped.get(self.peer.key, {}).pop(self.ref.segment, None)
+            if seg is not None:
+                seg.close()
 
 
 class ShmBackend(ByteBackend):
@@ -249,13 +278,13 @@ class ShmBackend(ByteBackend):
     """
 
     name: ClassVar[str] = "shm"
-    takes_small_objects_inline: ClassVar[bool] = True
     summary: ClassVar[str] = "POSIX shared memory, one pre-faulted arena per sender"
     capabilities: ClassVar[Capabilities] = Capabilities(
         devices=frozenset({"cpu"}),
         localities=frozenset({Locality.SAME_PROCESS, Locality.SAME_HOST}),
         progressive=True,
         zero_copy=True,
+        mapped=True,
         preference=80,
     )
 
@@ -271,11 +300,9 @@ class ShmBackend(ByteBackend):
         self._alloc: BuddyAllocator | None = None
         self._arena_lock = anyio.Lock()
         self._dedicated: dict[str, Segment] = {}
-        self._leases: set[_Lease] = set()
         # receiver side: peer key -> its arena; every segment name we have mapped
         self._mapped: dict[tuple[str, int], dict[str, Segment]] = {}
         self._prefixes: dict[tuple[str, int], str] = {}
-        self._open = 0
         self._closed = False
         self._warned_dedicated = False
         self._arena_error = ""
@@ -289,14 +316,29 @@ class ShmBackend(ByteBackend):
     async def start(self) -> None:
         sweep_stale_segments(self.directory)
 
-    def local_info(self) -> bytes:
+    def hello(self) -> bytes:
         return _encoder.encode(_HelloInfo(self.prefix))
 
     async def connect(self, peer: PeerInfo) -> None:
         try:
-            self._prefixes[peer.key] = _hello_decoder.decode(peer.info).prefix
+            prefix = _hello_decoder.decode(peer.info).prefix
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             raise BackendError(f"malformed shm hello info from {peer.name!r}: {exc}") from None
+        # A peer may only claim segments of its own process (spec §9.1): the prefix
+        # carries its pid, and no other live peer holds the same prefix.
+        m = _PREFIX.match(prefix)
+        if m is None or int(m.group(1)) != peer.pid:
+            raise BackendError(
+                f"shm prefix {prefix[:80]!r} of {peer.name!r} is not "
+                f"'omniwire-{peer.pid}-<hex>' (its own pid)"
+            )
+        if prefix == self.prefix or any(
+            p == prefix and key != peer.key for key, p in self._prefixes.items()
+        ):
+            raise BackendError(
+                f"shm prefix {prefix!r} of {peer.name!r} is already held by another endpoint"
+            )
+        self._prefixes[peer.key] = prefix
         if peer.locality is not Locality.CROSS_HOST and not self._closed:
             await self._ensure_arena()  # first same-host peer: fault the arena in now
 
@@ -322,30 +364,25 @@ class ShmBackend(ByteBackend):
 
     # -- sender --------------------------------------------------------------------
 
-    async def allocate(self, peer: PeerInfo, nbytes: int, device: str) -> OutboundBuffer:
+    async def export(self, peer: PeerInfo, nbytes: int, device: str) -> Export:
         if self._closed:
             raise BackendClosedError("shm backend is closed")
         await self._ensure_arena()
         offset = await self._arena_slot(nbytes)
         if offset is not None and self._arena is not None:
-            lease = _Lease(self._arena, offset, dedicated=False)
-        else:
-            if not self._warned_dedicated:
-                self._warned_dedicated = True
-                log.info(
-                    "shm arena (%s) has no free slot for %s: using a dedicated segment; "
-                    "raise backend_options['shm']['arena_size'] if this is common",
-                    _mib(self.arena_size),
-                    _mib(nbytes),
-                )
-            name = f"{self.prefix}-{next(self._seq)}"
-            seg = await anyio.to_thread.run_sync(
-                Segment.create, name, max(nbytes, 1), self.directory
+            return _ShmExport(self, self._arena, offset, nbytes, dedicated=False)
+        if not self._warned_dedicated:
+            self._warned_dedicated = True
+            log.info(
+                "shm arena (%s) has no free slot for %s: using a dedicated segment; "
+                "raise backend_options['shm']['arena_size'] if this is common",
+                _mib(self.arena_size),
+                _mib(nbytes),
             )
-            self._dedicated[name] = seg
-            lease = _Lease(seg, 0, dedicated=True)
-        self._leases.add(lease)
-        return OutboundBuffer(peer, nbytes, lease.segment.view(lease.offset, nbytes), lease)
+        name = f"{self.prefix}-{next(self._seq)}"
+        seg = await anyio.to_thread.run_sync(Segment.create, name, max(nbytes, 1), self.directory)
+        self._dedicated[name] = seg
+        return _ShmExport(self, seg, 0, nbytes, dedicated=True)
 
     async def _arena_slot(self, nbytes: int) -> int | None:
         """A slot of the arena, waiting up to ``arena_wait`` for one to be freed."""
@@ -364,65 +401,46 @@ class ShmBackend(ByteBackend):
                 await self._freed.wait()
         return None
 
-    def describe(self, out: OutboundBuffer) -> bytes:
-        lease: _Lease = out.handle
-        return _encoder.encode(_Ref(lease.segment.name, lease.offset, out.nbytes, lease.dedicated))
-
-    def free(self, out: OutboundBuffer) -> None:
-        lease: _Lease = out.handle
-        if lease not in self._leases:
-            return
-        self._leases.discard(lease)
-        out.buffer = None
-        if lease.dedicated:
-            seg = self._dedicated.pop(lease.segment.name, None)
+    def _free(self, exp: _ShmExport) -> None:
+        if exp.dedicated:
+            seg = self._dedicated.pop(exp.segment.name, None)
             if seg is not None:
                 seg.unlink(self.directory)
                 seg.close()
         elif self._alloc is not None and not self._closed:
-            self._alloc.free(lease.offset)
+            self._alloc.free(exp.offset)
             self._freed.set()
 
     # -- receiver ----------------------------------------------------------------------
 
-    async def open(self, peer: PeerInfo, info: bytes, nbytes: int) -> InboundBuffer:
+    async def import_(self, peer: PeerInfo, ref: bytes, nbytes: int) -> Import:
+        if self._closed:
+            raise BackendClosedError("shm backend is closed")
         prefix = self._prefixes.get(peer.key)
         if prefix is None:
             raise BackendError(f"{peer.name!r} did not announce shm in its Hello")
         try:
-            ref = _ref_decoder.decode(info)
+            r = _ref_decoder.decode(ref)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             raise BackendError(f"malformed shm reference from {peer.name!r}: {exc}") from None
-        if not _NAME.match(ref.segment) or not ref.segment.startswith(prefix + "-"):
+        if not _NAME.match(r.segment) or not r.segment.startswith(prefix + "-"):
             raise BackendError(
-                f"shm reference from {peer.name!r} names segment {ref.segment[:80]!r}, "
+                f"shm reference from {peer.name!r} names segment {r.segment[:80]!r}, "
                 "which is not one of its own"
             )
-        if ref.size != nbytes or ref.offset < 0:
-            raise BackendError(f"shm reference from {peer.name!r} has size {ref.size} != {nbytes}")
+        if r.size != nbytes or r.offset < 0:
+            raise BackendError(f"shm reference from {peer.name!r} has size {r.size} != {nbytes}")
         segments = self._mapped.setdefault(peer.key, {})
-        seg = segments.get(ref.segment)
+        seg = segments.get(r.segment)
         if seg is None:
-            seg = await anyio.to_thread.run_sync(Segment.attach, ref.segment, self.directory)
-            segments[ref.segment] = seg
-        if ref.offset + ref.size > seg.size:
+            seg = await anyio.to_thread.run_sync(Segment.attach, r.segment, self.directory)
+            segments[r.segment] = seg
+        if r.offset + r.size > seg.size:
             raise BackendError(
-                f"shm reference from {peer.name!r} spans [{ref.offset}, {ref.offset + ref.size}) "
-                f"outside segment {ref.segment} of {seg.size} bytes"
+                f"shm reference from {peer.name!r} spans [{r.offset}, {r.offset + r.size}) "
+                f"outside segment {r.segment} of {seg.size} bytes"
             )
-        self._open += 1
-        return InboundBuffer(peer, nbytes, seg.view(ref.offset, ref.size), handle=ref)
-
-    def close(self, inb: InboundBuffer) -> None:
-        ref: _Ref | None = inb.handle
-        if ref is None:
-            return
-        inb.handle = inb.buffer = None
-        self._open -= 1
-        if ref.dedicated:  # used once: unmap now (views alive keep it until collected)
-            seg = self._mapped.get(inb.peer.key, {}).pop(ref.segment, None)
-            if seg is not None:
-                seg.close()
+        return _ShmImport(self, peer, nbytes, seg.view(r.offset, r.size), r)
 
     async def disconnect(self, peer: PeerInfo) -> None:
         for seg in self._mapped.pop(peer.key, {}).values():
@@ -454,16 +472,13 @@ class ShmBackend(ByteBackend):
             seg.unlink(self.directory)
             seg.close()
         self._dedicated.clear()
-        self._leases.clear()
         if self._arena is not None:
             self._arena.unlink(self.directory)
             self._arena.close()
             self._arena = None
 
-    def stats(self) -> dict[str, int]:
+    def detail(self) -> dict[str, int]:
         return {
-            "leases": len(self._leases),
-            "open": self._open,
             "dedicated_segments": len(self._dedicated),
             "arena_bytes_in_use": self._alloc.bytes_in_use if self._alloc else 0,
         }

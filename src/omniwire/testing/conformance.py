@@ -48,7 +48,14 @@ from anyio.from_thread import BlockingPortal, start_blocking_portal
 from hypothesis import HealthCheck, given, settings
 
 from .. import registry
-from ..backends.base import BackendContext, ByteBackend, Locality, ObjectBackend, PeerInfo
+from ..backends.base import (
+    BackendContext,
+    BackendStats,
+    ByteBackend,
+    Locality,
+    ObjectBackend,
+    PeerInfo,
+)
 from ..endpoint import Endpoint
 from ..errors import BackendClosedError, BackendError, RequestAbortedError
 from .strategies import assert_payload_equal, payloads
@@ -340,7 +347,7 @@ class BackendConformance:
             value = {"x": torch.arange(1000 + i, device=self.device)}
             harness.call(harness.round_trip, value, f"flight-{i}")
 
-        async def settled() -> tuple[dict[str, tuple[int, int]], dict[str, int]]:
+        async def settled() -> tuple[dict[str, tuple[int, int]], BackendStats]:
             with anyio.fail_after(30):
                 await harness.ep.drain()
                 while any(a or b for a, b in harness.ep.in_flight().values()):
@@ -349,8 +356,7 @@ class BackendConformance:
 
         in_flight, stats = harness.call(settled)
         assert all(v == (0, 0) for v in in_flight.values()), in_flight
-        held = {k: v for k, v in stats.items() if k in ("leases", "open", "objects_held") and v}
-        assert not held, f"{self.backend} still holds buffers: {stats}"
+        assert stats.idle, f"{self.backend} still holds buffers: {stats}"
 
     # -- flow control and abort, against a slow consumer ------------------------------
 
@@ -383,7 +389,7 @@ class BackendConformance:
         assert elapsed >= 0.2  # six sends through two credits to a 0.2 s/delivery consumer
 
     def test_abort_releases_buffers_on_both_sides(self, slow: _Harness) -> None:
-        async def run() -> tuple[list[BaseException | None], dict[str, int]]:
+        async def run() -> tuple[list[BaseException | None], BackendStats]:
             rid = "abort-" + secrets.token_hex(2)
             receipts = [
                 await slow.ep.send(
@@ -410,8 +416,7 @@ class BackendConformance:
 
         errors, stats = slow.call(run)
         assert any(isinstance(e, RequestAbortedError) for e in errors)
-        held = {k: v for k, v in stats.items() if k in ("leases", "open", "objects_held") and v}
-        assert not held, f"{self.backend} still holds buffers after abort: {stats}"
+        assert stats.idle, f"{self.backend} still holds buffers after abort: {stats}"
 
     # -- bare backend instances: close semantics, error mapping ---------------------------
 
@@ -428,12 +433,12 @@ class BackendConformance:
             await b.start()
             await b.aclose()
             await b.aclose()  # idempotent
-            peer = PeerInfo("x", 1, os.getpid(), "h", "t", Locality.SAME_HOST, b.local_info())
+            peer = PeerInfo("x", 1, os.getpid(), "h", "t", Locality.SAME_HOST, b.hello())
             with pytest.raises(BackendClosedError):
                 if isinstance(b, ByteBackend):
-                    await b.allocate(peer, 64, "cpu")
+                    await b.export(peer, 64, "cpu")
                 elif isinstance(b, ObjectBackend):
-                    b.put_object(peer, {"x": 1})
+                    b.export_object(peer, {"x": 1})
 
         anyio.run(run)
 
@@ -448,15 +453,12 @@ class BackendConformance:
             await b.start()
             try:
                 peer_a = PeerInfo(
-                    "a", a.ctx.instance, os.getpid(), "h", "t", Locality.SAME_HOST, a.local_info()
+                    "a", a.ctx.instance, os.getpid(), "h", "t", Locality.SAME_HOST, a.hello()
                 )
                 await b.connect(peer_a)
                 with pytest.raises(BackendError):
-                    if isinstance(b, ByteBackend):
-                        inb = await b.open(peer_a, info, 64)
-                        await b.fetch(inb, 0, 64)
-                    else:
-                        b.take_object(peer_a, info)
+                    imp = await b.import_(peer_a, info, 64)
+                    await imp.fetch(0, 64)
             finally:
                 await a.aclose()
                 await b.aclose()
