@@ -47,9 +47,8 @@ from .backends.base import (
     BackendBase,
     BackendContext,
     ByteBackend,
-    Locality,
     Export,
-    Import,
+    Locality,
     ObjectBackend,
     PeerInfo,
 )
