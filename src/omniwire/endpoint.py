@@ -1058,7 +1058,13 @@ class Endpoint:
     # ------------------------------------------------------------------ sending
 
     async def send(
-        self, target: str, payload: Any, *, request_id: str, metadata: Any = None
+        self,
+        target: str,
+        payload: Any,
+        *,
+        request_id: str,
+        metadata: Any = None,
+        lend: bool = False,
     ) -> SendReceipt:
         """Send one payload to ``target``.
 
@@ -1073,7 +1079,7 @@ class Endpoint:
             AckTimeoutError: no credit was granted within ``ack_timeout``.
             PeerLostError, RequestAbortedError, EndpointClosedError, BackendError.
         """
-        return await self._send(target, payload, request_id, "payload", metadata)
+        return await self._send(target, payload, request_id, "payload", metadata, lend)
 
     async def stream(
         self, target: str, chunk: Any, *, request_id: str, metadata: Any = None
@@ -1189,7 +1195,13 @@ class Endpoint:
             raise PeerLostError(f"peer {peer.name!r} was lost: {peer.lost_reason}")
 
     async def _send(
-        self, target: str, payload: Any, request_id: str, kind: Kind, metadata: Any
+        self,
+        target: str,
+        payload: Any,
+        request_id: str,
+        kind: Kind,
+        metadata: Any,
+        lend: bool = False,
     ) -> SendReceipt:
         self._check_open()
         if request_id in self._aborted:
@@ -1250,6 +1262,7 @@ class Endpoint:
                     payload,
                     receipt,
                     stats,
+                    lend,
                 )
             except BaseException:
                 if receipt.object_id is None or receipt.object_id not in peer.session.outbound:
@@ -1296,6 +1309,7 @@ class Endpoint:
         payload: Any,
         receipt: SendReceipt,
         stats: RouteStats,
+        lend: bool = False,
     ) -> None:
         info = self._peer_info(peer, route.backend)
         object_id = next(self._object_ids)
@@ -1320,7 +1334,7 @@ class Endpoint:
             else:
                 assert isinstance(backend, ByteBackend)
                 device = next((str(t.device) for t in enc.tensors if t.device.type != "cpu"), "cpu")
-                out = await backend.export_tensors(info, enc.tensors)
+                out = await backend.export_tensors(info, enc.tensors, lent=lend)
                 if out is None:
                     out = await backend.export(info, layout.nbytes, device)
                     record.buffer = out

@@ -331,10 +331,19 @@ class ByteBackend(BackendBase):
             BackendClosedError: the backend is closed.
         """
 
-    async def export_tensors(self, peer: PeerInfo, tensors: list[torch.Tensor]) -> Export | None:
-        """Share ``tensors`` as they are, without packing (layout ``per_tensor``), or
-        return None and let the endpoint pack into :meth:`export`. The caller does
-        not modify the tensors until the export is released.
+    async def export_tensors(
+        self, peer: PeerInfo, tensors: list[torch.Tensor], *, lent: bool
+    ) -> Export | None:
+        """Carry ``tensors`` without packing them, or return None and let the endpoint
+        pack into :meth:`export` (the default).
+
+        ``lent`` is True when the caller lent its tensors (``send(..., lend=True)``):
+        it does not modify them until the object is acknowledged, so the engine may
+        read them in place (register them, say) — the export then has
+        ``buffer=None`` and layout ``packed`` (the peer's ``fetch`` still yields the
+        packed image), or layout ``per_tensor`` (the peer's import fills
+        ``Import.tensors``). Without ``lent`` a backend may only share memory whose
+        reuse it controls.
 
         Raises:
             BackendError, BackendClosedError: as :meth:`export`.
