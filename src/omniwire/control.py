@@ -29,10 +29,10 @@ import zmq.auth.asyncio
 from zmq.utils import z85
 from zmq.utils.monitor import parse_monitor_message
 
-from .errors import EndpointClosedError, OmniwireError
+from .errors import AddressError, EndpointClosedError, OmniwireError
 from .wire import MAX_FRAME_SIZE
 
-__all__ = ["ControlPlane", "CurveKey", "PeerEvent"]
+__all__ = ["Address", "ControlPlane", "CurveKey", "PeerEvent", "parse_address"]
 
 log = logging.getLogger("omniwire.control")
 
@@ -71,6 +71,38 @@ class _AllowOne:
 
     def callback(self, domain: str, key: bytes) -> bool:
         return key == self.public
+
+
+@dataclass(frozen=True)
+class Address:
+    """TEMPORARY stand-in (the leaf module replaces it)."""
+
+    scheme: str
+    path: str | None = None
+    host: str | None = None
+    port: int | None = None
+
+    def __str__(self) -> str:
+        if self.scheme == "ipc":
+            return f"ipc://{self.path}"
+        return f"tcp://{self.host}:{self.port if self.port else '*'}"
+
+
+def parse_address(text: str, *, what: str = "address", bind: bool = False) -> Address:
+    """TEMPORARY stand-in."""
+    if not isinstance(text, str) or not text:
+        raise AddressError(f"{what} {text!r} is not a ZeroMQ address")
+    if text.startswith("ipc://"):
+        path = text[6:]
+        if not path or len(path.encode()) > 100:
+            raise AddressError(f"{what} {text!r}: bad ipc path")
+        return Address("ipc", path=path)
+    if text.startswith("tcp://"):
+        host, _, port = text[6:].rpartition(":")
+        if not host or not (port.isdigit() or (bind and port == "*")):
+            raise AddressError(f"{what} {text!r}: bad tcp address")
+        return Address("tcp", host=host, port=int(port) if port.isdigit() else 0)
+    raise AddressError(f"{what} {text!r} is not an ipc:// or tcp:// address")
 
 
 def ipc_path(address: str) -> str | None:
@@ -201,6 +233,25 @@ class ControlPlane:
         self._push[peer] = sock
         self._monitors[peer] = monitor
         return monitor
+
+    def send_once(self, address: str, frame: bytes) -> bool:
+        """TEMPORARY stand-in."""
+        try:
+            sock = self._ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 200)
+            sock.connect(address)
+            try:
+                zmq.Socket.send(sock, frame, zmq.DONTWAIT)
+            except zmq.Again:
+                return False
+            finally:
+                sock.close()
+        except zmq.ZMQError:
+            return False
+        return True
+
+    def unsubscribe(self, peer: str) -> None:
+        """TEMPORARY stand-in."""
 
     def has_peer(self, peer: str) -> bool:
         return peer in self._push

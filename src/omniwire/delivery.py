@@ -20,8 +20,10 @@ class Delivery:
     """One thing that arrived for this endpoint.
 
     ``kind`` is ``payload``, ``stream_chunk``, ``stream_end`` (the sender ended the
-    stream), ``error`` (the sender reported an error, or its data could not be
-    received: ``error`` says which) or ``aborted`` (a peer aborted ``request_id``).
+    stream), ``error`` (the sender reported an error, its data could not be
+    received, or it went away mid-request: ``error`` says which, ``cause`` is
+    ``"peer_lost"`` or ``"peer_closed"`` in the last case) or ``aborted`` (a peer
+    aborted ``request_id``; ``from_stage`` is where the abort began).
 
     In zero-copy mode the tensors of ``payload`` are views of the sender's
     memory, valid until :meth:`release` (or the end of ``async with delivery:``),
@@ -40,6 +42,8 @@ class Delivery:
     backend: str | None = None
     #: Tensor bytes carried.
     nbytes: int = 0
+    #: For ``error`` deliveries of a peer that went away: ``"peer_lost"`` / ``"peer_closed"``.
+    cause: str | None = None
     received_at: float = field(default_factory=time.monotonic)
     _on_release: Callable[[], None] | None = field(default=None, repr=False)
     _budget: int | None = field(default=None, repr=False)  # receive credit held

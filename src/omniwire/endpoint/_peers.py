@@ -1,0 +1,570 @@
+"""The peer table: handshake, liveness, loss and close (spec §4.1, §7).
+
+Theory of operation
+-------------------
+A peer enters the table in two ways: ``peers=``/``add_peer`` (we connect a PUSH
+to its address and keep connecting to it), or its own Hello (we validate the
+Hello, then connect to the address it carries). Each time our PUSH to a peer
+completes a ZeroMQ handshake we send it a Hello; each Hello that is not a
+reply gets a reply. A peer is READY once its Hello was accepted, every backend
+we share with it is connected and our PUSH is up.
+
+A Hello is refused (a RefusalMessage goes back to its address, best effort,
+rate-limited, and nothing of the sender is kept) when it uses our own name,
+addresses another name, speaks no common major version, carries an address
+ZeroMQ cannot use, would overflow the table, or claims the name of a peer whose
+instance is still alive — a restart is accepted once the old instance is gone.
+
+A peer ends as LOST (its process died, its connection stayed down for
+``peer_timeout``, it took no frame for ``peer_timeout``) or CLOSED (it said
+Goodbye). Either way every object in flight with it is handed to the sender
+and receiver to release, and its sockets, monitor and tasks are released. A
+peer we were configured with is connected again, so that its next instance
+finds us; one we only learned from its Hello is forgotten.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Callable
+
+import anyio
+
+from .. import hostinfo, wire
+from ..backends.base import PeerInfo
+from ..capabilities import Locality
+from ..control import PeerEvent, parse_address
+from ..errors import (
+    AddressError,
+    BackendError,
+    HandshakeError,
+    NameClashError,
+    OmniwireError,
+    PeerClosedError,
+    PeerLostError,
+    PeerNameMismatchError,
+    PeerRefusedError,
+    PeerUnresponsiveError,
+    RemoteProtocolError,
+)
+from ..flow import Credits
+from ..routing import INLINE, Candidate, Edge
+from ._core import Core
+from ._records import InRecord, OutRecord, Peer, PeerStatus
+
+__all__ = ["PeerTable"]
+
+log = logging.getLogger("omniwire.endpoint")
+
+#: Called when a peer is gone: the peer, its objects in flight both ways, the
+#: delivery cause ("peer_lost" / "peer_closed") and the error for the sender side.
+GoneHook = Callable[[Peer, list[OutRecord], list[InRecord], str, PeerLostError], None]
+
+_TOMBSTONES = 256  # lost/closed peers remembered (for their error messages)
+
+
+class PeerTable:
+    def __init__(self, core: Core, on_ready: Callable[[Peer], None], on_gone: GoneHook) -> None:
+        self.core = core
+        self._on_ready = on_ready
+        self._on_gone = on_gone
+        self._peers: dict[str, Peer] = {}
+        self._changed = anyio.Event()  # a peer appeared
+
+    # -- lookups -------------------------------------------------------------------
+
+    def get(self, name: str) -> Peer | None:
+        return self._peers.get(name)
+
+    def all(self) -> list[Peer]:
+        return list(self._peers.values())
+
+    def ready(self) -> list[Peer]:
+        return [p for p in self._peers.values() if p.status is PeerStatus.READY]
+
+    def _new(self, name: str) -> Peer:
+        cfg = self.core.config
+        peer = Peer(
+            name=name,
+            session=wire.Session(local_name=cfg.name, peer_name=name),
+            credits=Credits(cfg.max_inflight, cfg.max_inflight_bytes),
+        )
+        self._peers[name] = peer
+        self._changed.set()
+        self._changed = anyio.Event()
+        return peer
+
+    # -- connecting ------------------------------------------------------------------
+
+    def add(self, name: str, address: str) -> Peer:
+        """Connect to a configured peer (its Hello exchange follows in the background).
+
+        Raises:
+            AddressError: ``address`` is not usable.
+        """
+        address = str(parse_address(address, what=f"peers[{name!r}]"))
+        peer = self._peers.get(name) or self._new(name)
+        peer.configured = peer.address = address
+        self._connect(peer)
+        return peer
+
+    def _connect(self, peer: Peer) -> None:
+        """Open our PUSH (and its monitor) to ``peer.address`` once."""
+        if peer.push_open or peer.address is None:
+            return
+        self.core.control.connect(peer.name, peer.address)  # AddressError: nothing opened
+        peer.push_open = True
+        peer.connected = False
+        self.core.supervisor.spawn(self._watch, peer)
+
+    def _disconnect(self, peer: Peer) -> None:
+        self.core.control.disconnect(peer.name)
+        self.core.control.unsubscribe(peer.name)
+        peer.push_open = peer.connected = False
+
+    async def _watch(self, peer: Peer) -> None:
+        """Connection events of our PUSH to ``peer``, until it is closed."""
+        async for event in self.core.control.events(peer.name):
+            if event is PeerEvent.UP:
+                peer.down_since = None
+                peer.connected = True
+                peer.auth_failure = ""
+                self.core.outbox.post(peer, self._hello(peer, reply=False))
+                self._maybe_ready(peer)
+            elif event is PeerEvent.DOWN:
+                if peer.down_since is None:
+                    peer.down_since = time.monotonic()
+                self._lost_if_dead(peer)
+            elif event is PeerEvent.AUTH_FAILED:
+                peer.auth_failure = "it refused our credentials (authentication key mismatch?)"
+                self.core.counters["auth_failed"] += 1
+                self.core.noisy.warning(
+                    "auth:" + peer.name, "%s: %s %s", self.core.name, peer.name, peer.auth_failure
+                )
+                peer.notify()
+
+    def _hello(self, peer: Peer | None, *, reply: bool) -> wire.HelloMessage:
+        core = self.core
+        features = [("pickle", core.config.allow_pickle), ("zero_copy", core.config.zero_copy)]
+        return wire.HelloMessage(
+            endpoint=core.name,
+            wire_min=(wire.WIRE_VERSION[0], 0),
+            wire_max=wire.WIRE_VERSION,
+            features=tuple(f for f, on in features if on),
+            host_id=core.host_id,
+            hostname=hostinfo.hostname(),
+            pid=os.getpid(),
+            process_token=hostinfo.process_token(),
+            instance=core.instance,
+            address=core.control.address,
+            abort_address=core.control.abort_address,
+            devices=core.devices,
+            backends=tuple(
+                wire.BackendInfo(name=n, info=b.hello()) for n, b in core.backends.items()
+            ),
+            is_reply=reply,
+            to_endpoint=peer.name if peer is not None and peer.configured else "",
+        )
+
+    # -- Hello, Refusal, Goodbye in ----------------------------------------------------
+
+    def on_hello(self, hello: wire.HelloMessage) -> None:
+        """Accept or refuse a Hello. Never raises for what a peer sent: a refusal is
+        sent back (best effort) and counted."""
+        refusal = self._check_hello(hello)
+        if refusal is not None:
+            code, detail = refusal
+            self._refuse(hello, code, detail)
+            return
+        peer = self._peers.get(hello.endpoint) or self._new(hello.endpoint)
+        outcome, lost_out, lost_in = peer.session.on_hello(hello)  # checked: cannot raise
+        if outcome is wire.HelloOutcome.RESTART:
+            self._end(peer, lost_out, lost_in, PeerStatus.LOST, "it restarted", PeerLostError)
+        if outcome is not wire.HelloOutcome.DUPLICATE:
+            peer.generation += 1
+            peer.status = PeerStatus.CONNECTING
+            peer.hello_done = False
+            peer.refusal = None
+            peer.reason = ""
+            peer.accepted_at = time.monotonic()
+        if peer.address is None or not peer.configured:
+            peer.address = str(parse_address(hello.address))
+        self._connect(peer)
+        if not hello.is_reply:
+            self.core.outbox.post(peer, self._hello(peer, reply=True))
+        if outcome is not wire.HelloOutcome.DUPLICATE:
+            self.core.supervisor.spawn(self._complete, peer, hello, peer.generation)
+
+    def _check_hello(self, hello: wire.HelloMessage) -> tuple[wire.RefusalCode, str] | None:
+        core = self.core
+        if hello.endpoint == core.name:
+            if hello.instance == core.instance:
+                return None  # our own Hello looped back (an address shared by mistake)
+            return "own_name", f"{core.name!r} is this endpoint's own name"
+        if hello.to_endpoint and hello.to_endpoint != core.name:
+            return "name_mismatch", (
+                f"the Hello addresses {hello.to_endpoint!r}, but this endpoint is {core.name!r}"
+            )
+        if wire.negotiate(hello) is None:
+            core.counters["version_refused"] += 1
+            return "version", (
+                f"this endpoint speaks wire {wire.WIRE_VERSION[0]}.0–"
+                f"{wire.WIRE_VERSION[0]}.{wire.WIRE_VERSION[1]}"
+            )
+        try:
+            parse_address(hello.address, what="HelloMessage.address")
+            if hello.abort_address:
+                parse_address(hello.abort_address, what="HelloMessage.abort_address")
+        except AddressError as exc:
+            return "bad_hello", str(exc)
+        peer = self._peers.get(hello.endpoint)
+        if peer is None or peer.status in (PeerStatus.LOST, PeerStatus.CLOSED):
+            live = sum(p.status not in (PeerStatus.LOST, PeerStatus.CLOSED) for p in self.all())
+            if peer is None and live >= core.config.max_peers:
+                return "peer_limit", f"this endpoint serves at most {core.config.max_peers} peers"
+            return None
+        old = peer.hello
+        if old is None or (old.instance, old.process_token) == (
+            hello.instance,
+            hello.process_token,
+        ):
+            return None
+        if self._old_instance_gone(peer):
+            return None
+        return "name_in_use", (
+            f"a live endpoint {hello.endpoint!r} (pid {old.pid} on {old.hostname or old.host_id}) "
+            f"is connected to {core.name!r} under that name"
+        )
+
+    def _old_instance_gone(self, peer: Peer) -> bool:
+        """Whether the instance ``peer`` holds now is gone (so a new one may take the name)."""
+        old = peer.hello
+        if old is None:
+            return True
+        if old.host_id == self.core.host_id and not hostinfo.pid_alive(old.pid):
+            return True
+        return peer.down_since is not None  # its connection broke: the restart replaces it
+
+    def _refuse(self, hello: wire.HelloMessage, code: wire.RefusalCode, detail: str) -> None:
+        core = self.core
+        core.counters["hellos_refused"] += 1
+        core.noisy.warning(
+            "refuse:" + code,
+            "%s refused a Hello from %r (%s): %s",
+            core.name,
+            hello.endpoint,
+            code,
+            detail,
+        )
+        refusal = wire.RefusalMessage(
+            from_stage=core.name,
+            to_stage=hello.endpoint,
+            code=code,
+            detail=detail[: wire.MAX_TEXT_BYTES // 4],
+            addressed=hello.to_endpoint,
+        )
+        if hello.is_reply:  # a refused reply answers our own Hello: no need to answer it
+            return
+        try:
+            address = str(parse_address(hello.address))
+        except AddressError:
+            return
+        if core.outbox.refuse(address, refusal):
+            core.counters["refusals_sent"] += 1
+
+    def on_refusal(self, msg: wire.RefusalMessage) -> None:
+        """A peer refused us: fail the waiters of the peer it concerns, at once."""
+        core = self.core
+        if msg.to_stage not in ("", core.name):
+            raise RemoteProtocolError(
+                f"Refusal from {msg.from_stage!r} addressed to {msg.to_stage!r}"
+            )
+        peer = self._peers.get(msg.addressed or msg.from_stage)
+        if peer is None or peer.status is PeerStatus.READY:
+            raise RemoteProtocolError(f"unexpected Refusal from {msg.from_stage!r} ({msg.code})")
+        core.counters["refusals_received"] += 1
+        cls: type[PeerRefusedError] = PeerRefusedError
+        if msg.code in ("name_in_use", "own_name"):
+            cls = NameClashError
+        elif msg.code == "name_mismatch":
+            cls = PeerNameMismatchError
+        where = f" at {peer.configured}" if peer.configured else ""
+        what = (
+            f"peers={{{peer.name!r}: ...}}: the endpoint{where} calls itself {msg.from_stage!r}"
+            if msg.code == "name_mismatch"
+            else f"{msg.from_stage!r} refused {core.name!r}"
+        )
+        peer.refusal = cls(f"{what} ({msg.code}): {msg.detail}", peer=peer.name, code=msg.code)
+        core.noisy.warning("refused:" + peer.name, "%s: %s", core.name, peer.refusal)
+        peer.notify()
+
+    def on_goodbye(self, peer: Peer, msg: wire.GoodbyeMessage) -> None:
+        out, inn = peer.session.on_goodbye(msg)
+        reason = f"it closed ({msg.reason})" if msg.reason else "it closed"
+        self._end(peer, out, inn, PeerStatus.CLOSED, reason, PeerClosedError)
+
+    async def _complete(self, peer: Peer, hello: wire.HelloMessage, generation: int) -> None:
+        """Connect the backends both ends run; then the peer may become READY."""
+        core = self.core
+        if hello.host_id != core.host_id:
+            locality = Locality.CROSS_HOST
+        elif hello.process_token == hostinfo.process_token():
+            locality = Locality.SAME_PROCESS
+        else:
+            locality = Locality.SAME_HOST
+        theirs = {b.name: b.info for b in hello.backends}
+        kinds = tuple(sorted({d.kind for d in hello.devices} or {"cpu"}))
+        address = parse_address(hello.address)
+        host = address.host if address.scheme == "tcp" and address.host else "127.0.0.1"
+        info: dict[str, PeerInfo] = {}
+        for name, backend in core.backends.items():
+            if name not in theirs:
+                continue
+            pinfo = PeerInfo(
+                name=hello.endpoint,
+                instance=hello.instance,
+                pid=hello.pid,
+                host_id=hello.host_id,
+                process_token=hello.process_token,
+                locality=locality,
+                info=theirs[name],
+                devices=kinds,
+                host=host.strip("[]"),
+            )
+            try:
+                await backend.connect(pinfo)
+            except (OmniwireError, OSError, ValueError) as exc:
+                core.counters["backend_refused"] += 1
+                core.noisy.warning(
+                    "connect:" + name,
+                    "%s: backend %s cannot serve %s: %s",
+                    core.name,
+                    name,
+                    peer.name,
+                    exc,
+                )
+                continue
+            info[name] = pinfo
+        if peer.generation != generation:  # lost or restarted meanwhile
+            for name, pinfo in info.items():
+                await core.backends[name].disconnect(pinfo)
+            return
+        peer.info = info
+        local_kinds = frozenset(d.kind for d in core.devices)
+        peer.edge = Edge(
+            src=core.name,
+            dst=peer.name,
+            locality=locality,
+            src_devices=local_kinds,
+            dst_devices=frozenset(kinds),
+            gpu_peer_access=locality is not Locality.CROSS_HOST
+            and hostinfo.gpu_peer_access(core.devices, hello.devices),
+        )
+        peer.candidates = (
+            INLINE,
+            *(
+                Candidate(n, type(core.backends[n]).capabilities, type(core.backends[n]).summary)
+                for n in info
+            ),
+        )
+        peer.route_cache = {}
+        if hello.abort_address:
+            core.control.subscribe(peer.name, hello.abort_address)
+        peer.hello_done = True
+        self._maybe_ready(peer)
+
+    def _maybe_ready(self, peer: Peer) -> None:
+        if peer.status is PeerStatus.CONNECTING and peer.hello_done and peer.connected:
+            peer.status = PeerStatus.READY
+            peer.reason = ""
+            peer.notify()
+            self._on_ready(peer)
+
+    # -- waiting for a peer ------------------------------------------------------------
+
+    async def wait_ready(self, name: str, timeout: float, *, unknown_ok: bool = False) -> Peer:
+        """The peer ``name`` once READY.
+
+        Raises:
+            HandshakeError: it is unknown (unless ``unknown_ok``), or not ready in time.
+            PeerRefusedError: it refused this endpoint (NameClashError, PeerNameMismatchError).
+            PeerLostError: it was lost (or closed) and did not come back in time.
+        """
+        deadline = time.monotonic() + timeout
+        while True:
+            self.core.check_open()
+            peer = self._peers.get(name)
+            if peer is not None:
+                if peer.status is PeerStatus.READY:
+                    return peer
+                if peer.refusal is not None:
+                    raise peer.refusal
+                if peer.status in (PeerStatus.LOST, PeerStatus.CLOSED) and not peer.configured:
+                    raise self.gone_error(peer)
+            elif not unknown_ok:
+                raise HandshakeError(
+                    f"{self.core.name!r} has no peer {name!r}: pass it in peers= or "
+                    "add_peer(), or wait for it to connect (wait_peer)"
+                )
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise self._not_ready_error(name, peer, timeout)
+            event = peer.changed if peer is not None else self._changed
+            with anyio.move_on_after(left):
+                await event.wait()
+
+    def gone_error(self, peer: Peer) -> PeerLostError:
+        if peer.status is PeerStatus.CLOSED:
+            return PeerClosedError(f"peer {peer.name!r} closed: {peer.reason}")
+        return PeerLostError(f"peer {peer.name!r} was lost: {peer.reason}")
+
+    def _not_ready_error(self, name: str, peer: Peer | None, timeout: float) -> OmniwireError:
+        if peer is None:
+            return HandshakeError(f"no endpoint named {name!r} said Hello within {timeout:g} s")
+        if peer.status in (PeerStatus.LOST, PeerStatus.CLOSED):
+            error = self.gone_error(peer)
+            return type(error)(f"{error} and did not come back within {timeout:g} s")
+        if peer.auth_failure:
+            detail = peer.auth_failure
+        elif not peer.connected:
+            detail = "no connection to its address"
+        elif peer.hello is None:
+            detail = "connected, but no HelloMessage received"
+        else:
+            detail = "its backends are still connecting"
+        return HandshakeError(
+            f"peer {name!r} at {peer.address or '?'} did not complete the handshake with "
+            f"{self.core.name!r} within {timeout:g} s ({detail})"
+        )
+
+    # -- loss and close ------------------------------------------------------------------
+
+    def lose(self, peer: Peer, reason: str, cls: type[PeerLostError] = PeerLostError) -> None:
+        """Declare ``peer`` lost: release everything in flight with it."""
+        if peer.status in (PeerStatus.LOST, PeerStatus.CLOSED):
+            return
+        out, inn = peer.session.reset()
+        self._end(peer, out, inn, PeerStatus.LOST, reason, cls)
+
+    def _lost_if_dead(self, peer: Peer) -> bool:
+        hello = peer.hello
+        if hello is None or hello.host_id != self.core.host_id or hostinfo.pid_alive(hello.pid):
+            return False
+        self.lose(peer, f"its process (pid {hello.pid}) died")
+        return True
+
+    def _end(
+        self,
+        peer: Peer,
+        out: list[OutRecord],
+        inn: list[InRecord],
+        status: PeerStatus,
+        reason: str,
+        cls: type[PeerLostError],
+    ) -> None:
+        core = self.core
+        was_ready = peer.status is PeerStatus.READY
+        peer.status = status
+        peer.reason = reason
+        cause = "peer_closed" if status is PeerStatus.CLOSED else "peer_lost"
+        if status is PeerStatus.CLOSED:
+            core.counters["peers_closed"] += 1
+            log.info("%s: peer %s %s", core.name, peer.name, reason)
+        elif was_ready or out or inn:
+            core.counters["peers_lost"] += 1
+            core.noisy.warning(
+                "lost:" + peer.name, "%s: peer %s lost: %s", core.name, peer.name, reason
+            )
+        error = cls(
+            f"peer {peer.name!r} {'closed' if status is PeerStatus.CLOSED else 'was lost'}: {reason}"
+        )
+        self._on_gone(peer, out, inn, cause, error)
+        for name, pinfo in peer.info.items():
+            backend = core.backends.get(name)
+            if backend is not None:
+                core.supervisor.spawn(backend.disconnect, pinfo)
+        peer.info = {}
+        peer.edge = None
+        peer.route_cache = {}
+        peer.chunk_ids.clear()
+        peer.hello_done = False
+        peer.down_since = None
+        peer.generation += 1
+        core.outbox.drop(peer.name, error)
+        self._disconnect(peer)
+        peer.notify()
+        if peer.configured and core.state.value == "open":
+            with contextlib.suppress(AddressError):  # checked when it was configured
+                self._connect(peer)  # its next instance will find us
+
+    def _forget(self, peer: Peer, reason: str) -> None:
+        """Drop a peer learned from a Hello that never became reachable."""
+        self.core.counters["peers_dropped"] += 1
+        self.core.noisy.warning("drop", "%s: forgetting %s: %s", self.core.name, peer.name, reason)
+        out, inn = peer.session.reset()
+        self._end(peer, out, inn, PeerStatus.LOST, reason, PeerLostError)
+        self._peers.pop(peer.name, None)
+
+    def _prune(self) -> None:
+        gone = [
+            p
+            for p in self._peers.values()
+            if p.status in (PeerStatus.LOST, PeerStatus.CLOSED) and not p.configured
+        ]
+        for peer in gone[: max(0, len(gone) - _TOMBSTONES)]:
+            del self._peers[peer.name]
+
+    def tick(self, now: float) -> None:
+        """Liveness: a few times a second."""
+        cfg = self.core.config
+        self._prune()
+        for peer in self.all():
+            if peer.status in (PeerStatus.LOST, PeerStatus.CLOSED):
+                continue
+            if peer.hello is not None and self._lost_if_dead(peer):
+                continue
+            if peer.down_since is not None and now - peer.down_since > cfg.peer_timeout:
+                self.lose(peer, f"disconnected for more than {cfg.peer_timeout:g} s")
+            elif self.core.outbox.waiting_for(peer.name, now) > cfg.peer_timeout:
+                detail = ""
+                if peer.hello is not None and peer.hello.host_id == self.core.host_id:
+                    state = hostinfo.process_state(peer.hello.pid)
+                    detail = f"; its process (pid {peer.hello.pid}) is {state}"
+                self.lose(
+                    peer,
+                    f"it took no frame for more than {cfg.peer_timeout:g} s{detail}",
+                    PeerUnresponsiveError,
+                )
+            elif (
+                not peer.configured
+                and peer.status is PeerStatus.CONNECTING
+                and now - peer.accepted_at > cfg.handshake_timeout
+            ):
+                self._forget(
+                    peer, f"no connection to {peer.address} within {cfg.handshake_timeout:g} s"
+                )
+
+    def goodbye(self, reason: str) -> None:
+        """Say Goodbye to every peer that can read it (closing)."""
+        for peer in self.ready():
+            if peer.session.version >= (1, 1):
+                msg = wire.GoodbyeMessage(
+                    from_stage=self.core.name, instance=self.core.instance, reason=reason
+                )
+                self.core.outbox.post(peer, msg)
+
+    def close(self) -> None:
+        """Release every peer's sockets (the endpoint is closing)."""
+        for peer in self.all():
+            if peer.push_open:
+                self._disconnect(peer)
+            peer.notify()
+
+    def connected_backend(self, peer: Peer, name: str) -> PeerInfo:
+        info = peer.info.get(name)
+        if info is None:
+            raise BackendError(f"backend {name!r} is not connected to peer {peer.name!r}")
+        return info
