@@ -444,7 +444,7 @@ class Endpoint:
             TimeoutError: nothing arrived within ``timeout`` seconds.
             EndpointNotStartedError, EndpointClosedError.
         """
-        return await self._receiver.receive(timeout)
+        return await self._receiver.deliveries.receive(timeout)
 
     def __aiter__(self) -> AsyncIterator[Delivery]:
         return self._iterate()
@@ -452,7 +452,7 @@ class Endpoint:
     async def _iterate(self) -> AsyncIterator[Delivery]:
         while True:
             try:
-                yield await self._receiver.receive(None)
+                yield await self._receiver.deliveries.receive(None)
             except EndpointClosedError:
                 return
 
@@ -468,7 +468,7 @@ class Endpoint:
 
     def queued(self) -> int:
         """Deliveries that arrived and wait for :meth:`receive`."""
-        return len(self._receiver.queue)
+        return len(self._receiver.deliveries)
 
     def in_flight(self) -> dict[str, tuple[int, int]]:
         """Per peer: (objects sent and not acknowledged, objects received and not acknowledged)."""

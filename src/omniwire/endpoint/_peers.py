@@ -6,14 +6,9 @@ A peer enters the table in two ways: ``peers=``/``add_peer`` (we connect a PUSH
 to its address and keep connecting to it), or its own Hello (we validate the
 Hello, then connect to the address it carries). Each time our PUSH to a peer
 completes a ZeroMQ handshake we send it a Hello; each Hello that is not a
-reply gets a reply. A peer is READY once its Hello was accepted, every backend
-we share with it is connected and our PUSH is up.
-
-A Hello is refused (a RefusalMessage goes back to its address, best effort,
-rate-limited, and nothing of the sender is kept) when it uses our own name,
-addresses another name, speaks no common major version, carries an address
-ZeroMQ cannot use, would overflow the table, or claims the name of a peer whose
-instance is still alive — a restart is accepted once the old instance is gone.
+reply gets a reply. A peer is READY once its Hello was accepted (the rules are
+in :mod:`._handshake`), every backend we share with it is connected and our
+PUSH is up.
 
 A peer ends as LOST (its process died, its connection stayed down for
 ``peer_timeout``, it took no frame for ``peer_timeout``) or CLOSED (it said
@@ -27,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import time
 from collections.abc import Callable
 
@@ -41,18 +35,16 @@ from ..errors import (
     AddressError,
     BackendError,
     HandshakeError,
-    NameClashError,
     OmniwireError,
     PeerClosedError,
     PeerLostError,
-    PeerNameMismatchError,
-    PeerRefusedError,
     PeerUnresponsiveError,
     RemoteProtocolError,
 )
 from ..flow import Credits
 from ..routing import INLINE, Candidate, Edge
 from ._core import Core
+from ._handshake import check_hello, hello_of, refusal_error, refuse
 from ._records import InRecord, OutRecord, Peer, PeerStatus
 
 __all__ = ["PeerTable"]
@@ -132,7 +124,7 @@ class PeerTable:
                 peer.down_since = None
                 peer.connected = True
                 peer.auth_failure = ""
-                self.core.outbox.post(peer, self._hello(peer, reply=False))
+                self.core.outbox.post(peer, hello_of(self.core, peer, reply=False))
                 self._maybe_ready(peer)
             elif event is PeerEvent.DOWN:
                 if peer.down_since is None:
@@ -146,38 +138,14 @@ class PeerTable:
                 )
                 peer.notify()
 
-    def _hello(self, peer: Peer | None, *, reply: bool) -> wire.HelloMessage:
-        core = self.core
-        features = [("pickle", core.config.allow_pickle), ("zero_copy", core.config.zero_copy)]
-        return wire.HelloMessage(
-            endpoint=core.name,
-            wire_min=(wire.WIRE_VERSION[0], 0),
-            wire_max=wire.WIRE_VERSION,
-            features=tuple(f for f, on in features if on),
-            host_id=core.host_id,
-            hostname=hostinfo.hostname(),
-            pid=os.getpid(),
-            process_token=hostinfo.process_token(),
-            instance=core.instance,
-            address=core.control.address,
-            abort_address=core.control.abort_address,
-            devices=core.devices,
-            backends=tuple(
-                wire.BackendInfo(name=n, info=b.hello()) for n, b in core.backends.items()
-            ),
-            is_reply=reply,
-            to_endpoint=peer.name if peer is not None and peer.configured else "",
-        )
-
     # -- Hello, Refusal, Goodbye in ----------------------------------------------------
 
     def on_hello(self, hello: wire.HelloMessage) -> None:
         """Accept or refuse a Hello. Never raises for what a peer sent: a refusal is
         sent back (best effort) and counted."""
-        refusal = self._check_hello(hello)
+        refusal = check_hello(self.core, hello, self._peers.get(hello.endpoint), self.all())
         if refusal is not None:
-            code, detail = refusal
-            self._refuse(hello, code, detail)
+            refuse(self.core, hello, *refusal)
             return
         peer = self._peers.get(hello.endpoint) or self._new(hello.endpoint)
         outcome, lost_out, lost_in = peer.session.on_hello(hello)  # checked: cannot raise
@@ -194,110 +162,20 @@ class PeerTable:
             peer.address = str(parse_address(hello.address))
         self._connect(peer)
         if not hello.is_reply:
-            self.core.outbox.post(peer, self._hello(peer, reply=True))
+            self.core.outbox.post(peer, hello_of(self.core, peer, reply=True))
         if outcome is not wire.HelloOutcome.DUPLICATE:
             self.core.supervisor.spawn(self._complete, peer, hello, peer.generation)
-
-    def _check_hello(self, hello: wire.HelloMessage) -> tuple[wire.RefusalCode, str] | None:
-        core = self.core
-        if hello.endpoint == core.name:
-            if hello.instance == core.instance:
-                return None  # our own Hello looped back (an address shared by mistake)
-            return "own_name", f"{core.name!r} is this endpoint's own name"
-        if hello.to_endpoint and hello.to_endpoint != core.name:
-            return "name_mismatch", (
-                f"the Hello addresses {hello.to_endpoint!r}, but this endpoint is {core.name!r}"
-            )
-        if wire.negotiate(hello) is None:
-            core.counters["version_refused"] += 1
-            return "version", (
-                f"this endpoint speaks wire {wire.WIRE_VERSION[0]}.0–"
-                f"{wire.WIRE_VERSION[0]}.{wire.WIRE_VERSION[1]}"
-            )
-        try:
-            parse_address(hello.address, what="HelloMessage.address")
-            if hello.abort_address:
-                parse_address(hello.abort_address, what="HelloMessage.abort_address")
-        except AddressError as exc:
-            return "bad_hello", str(exc)
-        peer = self._peers.get(hello.endpoint)
-        if peer is None or peer.status in (PeerStatus.LOST, PeerStatus.CLOSED):
-            live = sum(p.status not in (PeerStatus.LOST, PeerStatus.CLOSED) for p in self.all())
-            if peer is None and live >= core.config.max_peers:
-                return "peer_limit", f"this endpoint serves at most {core.config.max_peers} peers"
-            return None
-        old = peer.hello
-        if old is None or (old.instance, old.process_token) == (
-            hello.instance,
-            hello.process_token,
-        ):
-            return None
-        if self._old_instance_gone(peer):
-            return None
-        return "name_in_use", (
-            f"a live endpoint {hello.endpoint!r} (pid {old.pid} on {old.hostname or old.host_id}) "
-            f"is connected to {core.name!r} under that name"
-        )
-
-    def _old_instance_gone(self, peer: Peer) -> bool:
-        """Whether the instance ``peer`` holds now is gone (so a new one may take the name)."""
-        old = peer.hello
-        if old is None:
-            return True
-        if old.host_id == self.core.host_id and not hostinfo.pid_alive(old.pid):
-            return True
-        return peer.down_since is not None  # its connection broke: the restart replaces it
-
-    def _refuse(self, hello: wire.HelloMessage, code: wire.RefusalCode, detail: str) -> None:
-        core = self.core
-        core.counters["hellos_refused"] += 1
-        core.noisy.warning(
-            "refuse:" + code,
-            "%s refused a Hello from %r (%s): %s",
-            core.name,
-            hello.endpoint,
-            code,
-            detail,
-        )
-        refusal = wire.RefusalMessage(
-            from_stage=core.name,
-            to_stage=hello.endpoint,
-            code=code,
-            detail=detail[: wire.MAX_TEXT_BYTES // 4],
-            addressed=hello.to_endpoint,
-        )
-        if hello.is_reply:  # a refused reply answers our own Hello: no need to answer it
-            return
-        try:
-            address = str(parse_address(hello.address))
-        except AddressError:
-            return
-        if core.outbox.refuse(address, refusal):
-            core.counters["refusals_sent"] += 1
 
     def on_refusal(self, msg: wire.RefusalMessage) -> None:
         """A peer refused us: fail the waiters of the peer it concerns, at once."""
         core = self.core
         if msg.to_stage not in ("", core.name):
-            raise RemoteProtocolError(
-                f"Refusal from {msg.from_stage!r} addressed to {msg.to_stage!r}"
-            )
+            raise RemoteProtocolError(f"Refusal from {msg.from_stage!r} for {msg.to_stage!r}")
         peer = self._peers.get(msg.addressed or msg.from_stage)
         if peer is None or peer.status is PeerStatus.READY:
             raise RemoteProtocolError(f"unexpected Refusal from {msg.from_stage!r} ({msg.code})")
         core.counters["refusals_received"] += 1
-        cls: type[PeerRefusedError] = PeerRefusedError
-        if msg.code in ("name_in_use", "own_name"):
-            cls = NameClashError
-        elif msg.code == "name_mismatch":
-            cls = PeerNameMismatchError
-        where = f" at {peer.configured}" if peer.configured else ""
-        what = (
-            f"peers={{{peer.name!r}: ...}}: the endpoint{where} calls itself {msg.from_stage!r}"
-            if msg.code == "name_mismatch"
-            else f"{msg.from_stage!r} refused {core.name!r}"
-        )
-        peer.refusal = cls(f"{what} ({msg.code}): {msg.detail}", peer=peer.name, code=msg.code)
+        peer.refusal = refusal_error(core, peer, msg)
         core.noisy.warning("refused:" + peer.name, "%s: %s", core.name, peer.refusal)
         peer.notify()
 

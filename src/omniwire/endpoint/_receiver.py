@@ -16,8 +16,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-import time
-from collections import deque
 from typing import Any
 
 import anyio
@@ -32,9 +30,9 @@ from ..errors import (
     PeerLostError,
     WireFormatError,
 )
-from ..flow import Credits
 from ..recvpool import RecvPool
 from ._core import Core
+from ._deliveries import Deliveries
 from ._peers import PeerTable
 from ._records import InRecord, Peer, PeerStatus
 
@@ -50,9 +48,8 @@ class Receiver:
         self.core = core
         self.peers = peers
         cfg = core.config
-        self.queue: deque[Delivery] = deque()
-        self._queue_event = anyio.Event()
-        self.budget = Credits(cfg.receive_buffer, cfg.receive_buffer_bytes)
+        self.deliveries = Deliveries(cfg.receive_buffer, cfg.receive_buffer_bytes, core.check_open)
+        self.budget = self.deliveries.budget
         self.pool = RecvPool()
         self._inbox_limit = 4 * cfg.max_inflight + cfg.receive_buffer
 
@@ -415,31 +412,7 @@ class Receiver:
                 streams.popitem(last=False)
 
     def _deliver(self, delivery: Delivery) -> None:
-        self.queue.append(delivery)
-        self._queue_event.set()
-
-    async def receive(self, timeout: float | None) -> Delivery:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            if self.queue:
-                delivery = self.queue.popleft()
-                self._give_back_budget(delivery)
-                return delivery
-            self.core.check_open()
-            self._queue_event = anyio.Event()
-            if deadline is None:
-                await self._queue_event.wait()
-                continue
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError(f"no delivery for {self.core.name!r} within {timeout:g} s")
-            with anyio.move_on_after(left):
-                await self._queue_event.wait()
-
-    def _give_back_budget(self, delivery: Delivery) -> None:
-        if delivery._budget is not None:
-            self.budget.release(delivery._budget)
-            delivery._budget = None
+        self.deliveries.put(delivery)
 
     # -- aborts, loss, close -------------------------------------------------------------
 
@@ -453,14 +426,7 @@ class Receiver:
             if peer.current_take is not None and peer.current_take[0] == request_id:
                 peer.current_take[1].cancel()
             peer.open_streams.pop(request_id, None)
-        kept: deque[Delivery] = deque()
-        for d in self.queue:
-            if d.request_id == request_id and d.kind != "aborted":
-                d.release()  # a zero-copy one NACKs "aborted" (the id is remembered)
-                self._give_back_budget(d)
-            else:
-                kept.append(d)
-        self.queue = kept
+        self.deliveries.drop(request_id)  # a zero-copy one NACKs "aborted" (the id is remembered)
         if notify:
             self._deliver(Delivery("aborted", request_id, origin, error=reason or None))
 
@@ -495,11 +461,7 @@ class Receiver:
             peer.inbox.clear()
             if peer.current_take is not None:
                 peer.current_take[1].cancel()
-        for d in self.queue:
-            d.release()
-            self._give_back_budget(d)
-        self.queue.clear()
-        self._queue_event.set()
+        self.deliveries.close()
         self.pool.clear()
 
     def in_flight(self) -> dict[str, int]:
