@@ -285,6 +285,7 @@ class ShmBackend(ByteBackend):
         progressive=True,
         zero_copy=True,
         mapped=True,
+        shared_refs=True,
         preference=80,
     )
 

@@ -44,6 +44,7 @@ class EndpointConfig:
     max_inflight_bytes: int
     ack_timeout: float
     handshake_timeout: float
+    unclaimed_timeout: float
     peer_timeout: float
     heartbeat_interval: float
     zero_copy: bool
@@ -115,7 +116,13 @@ class EndpointConfig:
             _positive(key, numbers[key], integer=True)
         for key in ("max_inflight_bytes", "receive_buffer_bytes"):
             _positive(key, numbers[key], integer=True)
-        for key in ("ack_timeout", "handshake_timeout", "peer_timeout", "heartbeat_interval"):
+        for key in (
+            "ack_timeout",
+            "handshake_timeout",
+            "unclaimed_timeout",
+            "peer_timeout",
+            "heartbeat_interval",
+        ):
             _positive(key, numbers[key])
         if numbers["progressive_chunk"] < 0:
             raise ConfigurationError(

@@ -11,6 +11,7 @@ from .. import wire
 from ..backends.base import BackendBase
 from ..control import ControlPlane
 from ..errors import EndpointClosedError, EndpointNotStartedError
+from ..observe import Observer
 from ._aborts import Aborts
 from ._config import EndpointConfig
 from ._outbox import Outbox
@@ -47,6 +48,8 @@ class Core:
     loop: asyncio.AbstractEventLoop | None = None
     loop_thread: int = 0
     noisy: NoisyLog = field(default_factory=lambda: NoisyLog(log))
+    #: Told of sends, credit waits and deliveries; None (the default) costs nothing.
+    observer: Observer | None = None
 
     @property
     def name(self) -> str:

@@ -3,9 +3,9 @@
 The facade holds the configuration and the lifecycle and delegates each call
 to the part that does the work::
 
-    send/stream/end_stream ─► Sender ─► Outbox ─► ControlPlane (PUSH)
+    send/stream/end_stream ─► Sender (FanOut for several targets) ─► Outbox ─► ControlPlane (PUSH)
     ControlPlane (PULL/SUB) ─► Dispatcher ─► PeerTable / Receiver / Sender(ACKs)
-    Receiver ─► deliveries ─► receive() / async for
+    Receiver ─► Deliveries ─► receive() / deliveries() / requests() / async for
 
 ``aclose()`` is cancel-safe: whatever cancels its caller, it says Goodbye,
 releases every object, stops the background tasks and closes backends and
@@ -15,33 +15,33 @@ cancellation goes on.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import logging
 import os
 import secrets
-import threading
-import time
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import Awaitable, Mapping, Sequence
 from types import TracebackType
-from typing import Any
-
-import anyio
-import sniffio
+from typing import Any, overload
 
 from .. import hostinfo
-from ..backends.base import BackendBase, BackendContext
+from ..backends.base import BackendBase
 from ..control import ControlPlane, CurveKey, parse_address
-from ..delivery import Delivery, SendReceipt
-from ..errors import ConfigurationError, EndpointClosedError, OmniwireError
-from ..registry import backend_status, backends, load_backend
+from ..delivery import SendReceipt
+from ..errors import (
+    ConfigurationError,
+    OmniwireError,
+)
+from ..observe import Observer, as_observer
+from ..observe._observer import observed
 from ..routing import Route, RoutingPolicy
 from ._config import EndpointConfig
 from ._core import Core, State
 from ._dispatch import Dispatcher
+from ._fanout import FanOut
+from ._lifecycle import Lifecycle
 from ._outbox import Outbox
 from ._peers import PeerTable
 from ._receiver import Receiver
+from ._receiving import Receiving
 from ._records import InRecord, OutRecord, Peer
 from ._sender import Kind, Sender
 from ._stats import Counters, RouteStats
@@ -49,12 +49,8 @@ from ._supervisor import Supervisor
 
 __all__ = ["Endpoint"]
 
-log = logging.getLogger("omniwire.endpoint")
 
-_CLOSE_BUDGET = 5.0  # seconds aclose() may spend on backends and sockets
-
-
-class Endpoint:
+class Endpoint(Receiving):
     """One stage of a pipeline: sends payloads and streams to peers, receives theirs.
 
     Args:
@@ -84,6 +80,10 @@ class Endpoint:
             ``Delivery.release()``, instead of owned copies.
         receive_buffer, receive_buffer_bytes: undelivered deliveries this endpoint
             holds before it stops taking data (and so stops acknowledging).
+        unclaimed_timeout: seconds a delivery of a request nobody holds may keep its
+            share of that budget while the budget is full and other consumers wait;
+            then it is dropped and its request gets an ``error`` delivery with
+            ``cause="unclaimed"`` (see :meth:`deliveries`).
         allow_pickle: accept (and allow sending) pickled header values. Only for
             trusted peers.
         auth_key: a shared secret; when set, the control plane runs ZMQ CURVE and
@@ -94,6 +94,9 @@ class Endpoint:
             copy-mode receiver copies while the sender packs (0 disables; objects to
             zero-copy receivers are never split).
         max_peers: the most peers served at once; more are refused (``peer_limit``).
+        observer: an :class:`~omniwire.observe.Observer` (or a list of them) told
+            of sends, credit waits and deliveries: metrics and tracing
+            (:mod:`omniwire.observe`). Default None: no observer call is made.
 
     Raises:
         ConfigurationError: an option is unusable (``AddressError`` for an address,
@@ -119,11 +122,13 @@ class Endpoint:
         zero_copy: bool = False,
         receive_buffer: int = 64,
         receive_buffer_bytes: int = 1 << 30,
+        unclaimed_timeout: float = 30.0,
         allow_pickle: bool = False,
         auth_key: str | bytes | None = None,
         host_id: str | None = None,
         progressive_chunk: int = 16 << 20,
         max_peers: int = 256,
+        observer: Observer | Sequence[Observer] | None = None,
     ) -> None:
         cfg = EndpointConfig.build(
             name,
@@ -142,6 +147,7 @@ class Endpoint:
             zero_copy=zero_copy,
             receive_buffer=receive_buffer,
             receive_buffer_bytes=receive_buffer_bytes,
+            unclaimed_timeout=unclaimed_timeout,
             allow_pickle=allow_pickle,
             auth_key=auth_key,
             host_id=host_id,
@@ -166,13 +172,18 @@ class Endpoint:
             supervisor=supervisor,
             outbox=Outbox(control, supervisor),
             counters=counters,
+            observer=as_observer(observer),
         )
         self._peers = PeerTable(core, self._on_ready, self._on_gone)
         trace = os.environ.get("OMNIWIRE_TRACE", "") not in ("", "0")
         self._sender = Sender(core, self._peers, trace)
         self._receiver = Receiver(core, self._peers)
+        self._receiver.deliveries.replier = self
+        self._fanout = FanOut(self._sender)
         self._dispatch = Dispatcher(core, self._peers, self._sender, self._receiver)
-        self._closed = anyio.Event()
+        self._life = Lifecycle(
+            self, core, self._peers, self._sender, self._receiver, self._dispatch
+        )
         #: Named event counts (frames, refusals, peers lost, ...); a missing name reads 0.
         self.counters = counters
 
@@ -194,6 +205,11 @@ class Endpoint:
     @property
     def policy(self) -> RoutingPolicy:
         return self._core.config.policy
+
+    @property
+    def observer(self) -> Observer | None:
+        """The observer given as ``observer=`` (several are combined into one)."""
+        return self._core.observer
 
     @property
     def route_stats(self) -> dict[tuple[str, str, str], RouteStats]:
@@ -229,104 +245,13 @@ class Endpoint:
             BackendError: a backend failed to start.
             OmniwireError: started twice.
         """
-        core = self._core
-        if core.state is not State.NEW:
-            raise OmniwireError(f"endpoint {core.name!r} was already started")
-        library = sniffio.current_async_library()
-        if library != "asyncio":
-            raise ConfigurationError(
-                f"omniwire runs on asyncio (pyzmq's asyncio sockets), not {library!r}: run it "
-                "with asyncio.run(...) or anyio.run(..., backend='asyncio')"
-            )
-        core.state = State.OPEN
-        core.loop = asyncio.get_running_loop()
-        core.loop_thread = threading.get_ident()
-        try:
-            await core.control.start()
-            for name in self._choose_backends():
-                ctx = BackendContext(
-                    endpoint=core.name,
-                    instance=core.instance,
-                    options=core.config.backend_options.get(name, {}),
-                    host=_host_of(core.control.address),
-                )
-                backend = load_backend(name)(ctx)
-                core.backends[name] = backend
-                await backend.start()
-            await core.supervisor.start()
-            for peer, peer_address in core.config.peers.items():
-                self._peers.add(peer, peer_address)
-        except BaseException:
-            await self._release_everything()
-            raise
-        for loop in (self._dispatch.control_loop, self._dispatch.abort_loop, self._housekeeping):
-            core.supervisor.spawn(loop)
-
-    def _choose_backends(self) -> list[str]:
-        cfg = self._core.config
-        if cfg.backends is not None:
-            return list(cfg.backends)
-        tcp = cfg.address.startswith("tcp://")
-        chosen = []
-        for name in backends():
-            entry = backend_status(name)
-            if entry.status != "available" or entry.cls is None:
-                continue
-            auto = entry.cls.auto_start
-            if auto == "always" or (auto == "tcp" and tcp):
-                chosen.append(name)
-        return chosen
+        await self._life.start()
 
     async def aclose(self, reason: str = "") -> None:
         """Close: say Goodbye to the peers, NACK what was not taken, fail what is in
         flight, release every buffer and segment, close the sockets. Idempotent and
         cancel-safe (everything is released even if the caller is cancelled)."""
-        core = self._core
-        if core.state is State.NEW:
-            core.state = State.CLOSED
-            self._closed.set()
-            return
-        if core.state is not State.OPEN:
-            with anyio.CancelScope(shield=True), anyio.move_on_after(2 * _CLOSE_BUDGET):
-                await self._closed.wait()
-            return
-        core.state = State.CLOSING
-        with anyio.CancelScope(shield=True):
-            try:
-                self._peers.goodbye(reason)
-                self._receiver.close()
-                self._sender.close()
-                await core.outbox.flush(0.5)
-            finally:
-                await self._release_everything()
-
-    async def _release_everything(self) -> None:
-        """Stop tasks, close backends and sockets (shielded, bounded)."""
-        core = self._core
-        with anyio.CancelScope(shield=True):
-            core.state = State.CLOSING
-            self._peers.close()
-            await core.supervisor.aclose(timeout=2.0)
-            for backend in core.backends.values():
-                with anyio.move_on_after(_CLOSE_BUDGET):
-                    try:
-                        await backend.aclose()
-                    except Exception:
-                        log.exception("closing backend %s of %s", backend.name, core.name)
-            await anyio.to_thread.run_sync(core.control.close)
-            self._receiver.pool.clear()
-            core.state = State.CLOSED
-            self._closed.set()
-
-    async def _housekeeping(self) -> None:
-        """ACK deadlines and liveness, a few times a second."""
-        cfg = self._core.config
-        tick = max(0.05, min(0.5, cfg.ack_timeout / 10, cfg.peer_timeout / 5))
-        while True:
-            await anyio.sleep(tick)
-            now = time.monotonic()
-            self._peers.tick(now)
-            self._sender.check_deadlines(now)
+        await self._life.aclose(reason)
 
     # -- peers ------------------------------------------------------------------------
 
@@ -360,6 +285,7 @@ class Endpoint:
 
     # -- sending ----------------------------------------------------------------------
 
+    @overload
     async def send(
         self,
         target: str,
@@ -368,8 +294,29 @@ class Endpoint:
         request_id: str,
         metadata: Any = None,
         lend: bool = False,
-    ) -> SendReceipt:
-        """Send one payload to ``target``.
+    ) -> SendReceipt: ...
+
+    @overload
+    async def send(
+        self,
+        target: Sequence[str],
+        payload: Any,
+        *,
+        request_id: str,
+        metadata: Any = None,
+        lend: bool = False,
+    ) -> list[SendReceipt]: ...
+
+    async def send(
+        self,
+        target: str | Sequence[str],
+        payload: Any,
+        *,
+        request_id: str,
+        metadata: Any = None,
+        lend: bool = False,
+    ) -> SendReceipt | list[SendReceipt]:
+        """Send one payload to ``target``, or to each of several targets (a fan-out).
 
         Returns once the data is handed off (packed into the backend's buffer and
         announced); the sender's buffer stays reserved until the ACK, which the
@@ -377,36 +324,101 @@ class Endpoint:
         With ``lend=True`` an engine may read the payload's tensors in place (no
         pack copy): do not modify them until the receipt completes.
 
+        A fan-out (``target`` a list of names) encodes the payload once and routes
+        each target on its own: each gets its own route, credit and receipt
+        (returned in target order). Targets on a backend that shares references
+        (``Capabilities.shared_refs``: shm) read one buffer, packed once and
+        released when the last of them acknowledges; other backends get one export
+        per target.
+
         Raises:
             TypeError: the payload holds a value the codec refuses (naming its path).
+            ValueError: an empty fan-out, or a target named twice.
             HandshakeError: ``target`` did not complete its Hello in time
                 (``PeerRefusedError`` if it refused this endpoint).
             NoRouteError: the policy found no backend for this edge.
             AckTimeoutError: no credit was granted within ``ack_timeout``.
             PeerLostError: the peer died, closed or hung (whenever it happened).
             RequestAbortedError, EndpointClosedError, BackendError.
+            A fan-out raises on the first target that fails; the targets announced
+            before it keep their data until their ACK.
         """
-        return await self._sender.send(target, payload, request_id, "payload", metadata, lend)
+        if self._core.observer is None and isinstance(target, str):
+            return await self._sender.send(target, payload, request_id, "payload", metadata, lend)
+        return await self._send("payload", target, payload, request_id, metadata, lend)
 
+    @overload
     async def stream(
         self, target: str, chunk: Any, *, request_id: str, metadata: Any = None
-    ) -> SendReceipt:
-        """Send the next chunk of the stream ``request_id`` to ``target`` (in order).
+    ) -> SendReceipt: ...
+
+    @overload
+    async def stream(
+        self, target: Sequence[str], chunk: Any, *, request_id: str, metadata: Any = None
+    ) -> list[SendReceipt]: ...
+
+    async def stream(
+        self, target: str | Sequence[str], chunk: Any, *, request_id: str, metadata: Any = None
+    ) -> SendReceipt | list[SendReceipt]:
+        """Send the next chunk of the stream ``request_id`` to ``target`` (in order),
+        or to each of several targets (a fan-out, as in :meth:`send`).
 
         Raises: as :meth:`send`; ``PeerUnresponsiveError`` when an inline chunk is
         not taken within ``ack_timeout``.
         """
-        return await self._sender.send(target, chunk, request_id, "stream_chunk", metadata, False)
+        if self._core.observer is None and isinstance(target, str):
+            return await self._sender.send(
+                target, chunk, request_id, "stream_chunk", metadata, False
+            )
+        return await self._send("stream_chunk", target, chunk, request_id, metadata, False)
 
     async def end_stream(
-        self, target: str, *, request_id: str, error: str | None = None, metadata: Any = None
+        self,
+        target: str | Sequence[str],
+        *,
+        request_id: str,
+        error: str | None = None,
+        metadata: Any = None,
     ) -> None:
-        """End the stream ``request_id`` to ``target`` (optionally with an error).
+        """End the stream ``request_id`` to ``target`` (or to each of several),
+        optionally with an error.
 
         Raises: HandshakeError, PeerLostError (``PeerUnresponsiveError`` when the frame
         is not taken within ``ack_timeout``), RequestAbortedError, EndpointClosedError.
         """
-        await self._sender.end_stream(target, request_id, error, metadata)
+
+        def call(traceparent: str) -> Awaitable[None]:
+            if isinstance(target, str):
+                return self._sender.end_stream(target, request_id, error, metadata, traceparent)
+            return self._fanout.end_stream(target, request_id, error, metadata, traceparent)
+
+        observer = self._core.observer
+        if observer is None:
+            return await call("")
+        await observed(observer, self.name, _names(target), request_id, "stream_end", call)
+
+    async def _send(
+        self,
+        kind: Kind,
+        target: str | Sequence[str],
+        payload: Any,
+        request_id: str,
+        metadata: Any,
+        lend: bool,
+    ) -> SendReceipt | list[SendReceipt]:
+        """A fan-out, or any send under an observer."""
+
+        def call(traceparent: str) -> Awaitable[SendReceipt | list[SendReceipt]]:
+            if isinstance(target, str):
+                return self._sender.send(
+                    target, payload, request_id, kind, metadata, lend, traceparent
+                )
+            return self._fanout.send(target, payload, request_id, kind, metadata, lend, traceparent)
+
+        observer = self._core.observer
+        if observer is None:
+            return await call("")
+        return await observed(observer, self.name, _names(target), request_id, kind, call)
 
     def route(self, target: str, payload: Any, kind: Kind = "payload") -> Route:
         """The route ``payload`` would take to ``target`` now, with the reasons.
@@ -433,29 +445,6 @@ class Endpoint:
         """
         await self._sender.drain(timeout)
 
-    # -- receiving --------------------------------------------------------------------
-
-    async def receive(self, timeout: float | None = None) -> Delivery:
-        """The next delivery: payloads, stream chunks, stream ends, errors (kind
-        ``error``; ``cause`` says ``peer_lost``/``peer_closed`` when a peer went away
-        mid-request), aborts.
-
-        Raises:
-            TimeoutError: nothing arrived within ``timeout`` seconds.
-            EndpointNotStartedError, EndpointClosedError.
-        """
-        return await self._receiver.deliveries.receive(timeout)
-
-    def __aiter__(self) -> AsyncIterator[Delivery]:
-        return self._iterate()
-
-    async def _iterate(self) -> AsyncIterator[Delivery]:
-        while True:
-            try:
-                yield await self._receiver.deliveries.receive(None)
-            except EndpointClosedError:
-                return
-
     # -- introspection ----------------------------------------------------------------
 
     def backend(self, name: str) -> BackendBase:
@@ -465,10 +454,6 @@ class Endpoint:
     @property
     def running_backends(self) -> list[str]:
         return list(self._core.backends)
-
-    def queued(self) -> int:
-        """Deliveries that arrived and wait for :meth:`receive`."""
-        return len(self._receiver.deliveries)
 
     def in_flight(self) -> dict[str, tuple[int, int]]:
         """Per peer: (objects sent and not acknowledged, objects received and not acknowledged)."""
@@ -487,7 +472,5 @@ class Endpoint:
         self._receiver.on_peer_gone(peer, inn, cause, error)
 
 
-def _host_of(address: str) -> str:
-    """The host peers dial this endpoint at (ipc:// means this host: loopback)."""
-    parsed = parse_address(address)
-    return parsed.host.strip("[]") if parsed.scheme == "tcp" and parsed.host else "127.0.0.1"
+def _names(target: str | Sequence[str]) -> tuple[str, ...]:
+    return (target,) if isinstance(target, str) else tuple(target)

@@ -48,7 +48,7 @@ class Receiver:
         self.core = core
         self.peers = peers
         cfg = core.config
-        self.deliveries = Deliveries(cfg.receive_buffer, cfg.receive_buffer_bytes, core.check_open)
+        self.deliveries = Deliveries(core)
         self.budget = self.deliveries.budget
         self.pool = RecvPool()
         self._inbox_limit = 4 * cfg.max_inflight + cfg.receive_buffer
@@ -209,6 +209,7 @@ class Receiver:
                 metadata,
                 backend="inline",
                 nbytes=sum(t.nbytes for t in inline.tensors),
+                traceparent=msg.traceparent,
             )
         )
 
@@ -280,6 +281,7 @@ class Receiver:
             metadata=metadata,
             backend=ref.backend,
             nbytes=ref.ref.length,
+            traceparent=msg.traceparent,
             _budget=budget,
         )
         if zero_copy and not isinstance(backend, ObjectBackend):
@@ -412,6 +414,9 @@ class Receiver:
                 streams.popitem(last=False)
 
     def _deliver(self, delivery: Delivery) -> None:
+        observer = self.core.observer
+        if observer is not None:
+            observer.delivered(self.core.name, delivery)
         self.deliveries.put(delivery)
 
     # -- aborts, loss, close -------------------------------------------------------------

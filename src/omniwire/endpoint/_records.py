@@ -16,16 +16,17 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 import anyio
+import torch
 
 from .. import wire
-from ..backends.base import Export, Import, PeerInfo
+from ..backends.base import Export, Import, Layout, PeerInfo
 from ..delivery import SendReceipt
 from ..errors import PeerRefusedError
 from ..flow import Credits
 from ..routing import Candidate, Edge, PayloadInfo, Route
 from ._stats import RouteStats
 
-__all__ = ["InRecord", "OutRecord", "Peer", "PeerStatus"]
+__all__ = ["ExportShare", "InRecord", "OutRecord", "Peer", "PeerStatus", "SharedExport"]
 
 
 class PeerStatus(enum.Enum):
@@ -49,7 +50,7 @@ class OutRecord(wire.OutboundObject):
     receipt: SendReceipt
     stats: RouteStats
     credits: Credits | None = None
-    export: Export | None = None
+    export: Export | ExportShare | None = None
     deadline: float = float("inf")
     released: bool = False
 
@@ -78,6 +79,65 @@ class OutRecord(wire.OutboundObject):
                 self.stats.latencies.append(self.receipt.latency)
         else:
             self.receipt.resolve(error)
+
+
+class SharedExport:
+    """One export that several objects of a fan-out announce (a backend with
+    ``Capabilities.shared_refs``): each object holds an :class:`ExportShare`, and
+    the export is released when the last share is, and the fan-out let go.
+
+    The fan-out holds a share of its own while it announces, so an early ACK
+    cannot free the buffer before every target was told of it.
+    """
+
+    __slots__ = ("export", "published", "users")
+
+    def __init__(self, export: Export) -> None:
+        self.export = export
+        self.users = 1  # the fan-out's own hold
+        self.published = 0
+
+    def share(self) -> ExportShare:
+        self.users += 1
+        return ExportShare(self)
+
+    def drop(self) -> None:
+        self.users -= 1
+        if self.users == 0:
+            self.export.release()
+
+
+class ExportShare:
+    """One object's hold on a :class:`SharedExport` (what ``OutRecord.export`` holds)."""
+
+    __slots__ = ("_released", "shared")
+
+    def __init__(self, shared: SharedExport) -> None:
+        self.shared = shared
+        self._released = False
+
+    @property
+    def layout(self) -> Layout:
+        return self.shared.export.layout
+
+    @property
+    def ref(self) -> bytes:
+        return self.shared.export.ref
+
+    @property
+    def buffer(self) -> torch.Tensor | None:
+        return None if self._released else self.shared.export.buffer
+
+    async def publish(self, lo: int, hi: int) -> None:
+        """Publish once for every share (the bytes are the same)."""
+        if hi > self.shared.published:
+            await self.shared.export.publish(self.shared.published, hi)
+            self.shared.published = hi
+
+    def release(self) -> None:
+        if not self._released:
+            self._released = True
+            self.shared.drop()
 
 
 @dataclass(eq=False, kw_only=True)

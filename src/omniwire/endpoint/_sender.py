@@ -34,10 +34,10 @@ from ..errors import (
 from ..routing import INLINE, PayloadInfo, Route
 from ._core import Core
 from ._peers import PeerTable
-from ._records import OutRecord, Peer, PeerStatus
+from ._records import OutRecord, Peer, PeerStatus, SharedExport
 from ._stats import RouteStats
 
-__all__ = ["Kind", "Sender"]
+__all__ = ["Kind", "Sender", "payload_info"]
 
 log = logging.getLogger("omniwire.endpoint")
 route_log = logging.getLogger("omniwire.route")
@@ -64,6 +64,7 @@ class Sender:
         kind: Kind,
         metadata: Any,
         lend: bool,
+        traceparent: str = "",
     ) -> SendReceipt:
         core = self.core
         core.check_open()
@@ -74,23 +75,55 @@ class Sender:
         with core.aborts.guard(request_id, target):
             peer = await self.peers.wait_ready(target, core.config.handshake_timeout)
             layout = packing.plan(enc.tensors, enc.paths)
-            route = self.select(peer, _payload_info(kind, enc.tensors, layout))
-            stats = self._stats(target, kind, route)
-            core.aborts.note_sent(request_id, target)
-            chunk_id = 0
-            if kind == "stream_chunk":
-                chunk_id = peer.chunk_ids.get(request_id, 0)
-                peer.chunk_ids[request_id] = chunk_id + 1
-            if route.backend == INLINE.name:
-                return await self._send_inline(
-                    peer, enc, layout, request_id, kind, chunk_id, meta, stats
-                )
-            return await self._send_object(
-                peer, route, enc, layout, payload, request_id, kind, chunk_id, meta, stats, lend
+            route = self.select(peer, payload_info(kind, enc.tensors, layout))
+            return await self.send_routed(
+                peer, route, enc, layout, payload, request_id, kind, meta, lend, traceparent
             )
 
+    async def send_routed(
+        self,
+        peer: Peer,
+        route: Route,
+        enc: codec.Encoded,
+        layout: packing.PackPlan,
+        payload: Any,
+        request_id: str,
+        kind: Kind,
+        meta: bytes,
+        lend: bool,
+        traceparent: str,
+        shared: SharedExport | None = None,
+    ) -> SendReceipt:
+        """Send an encoded payload to a ready peer on its route (also one target of a
+        fan-out, which passes the ``shared`` export it packed once)."""
+        stats = self._stats(peer.name, kind, route)
+        self.core.aborts.note_sent(request_id, peer.name)
+        chunk_id = 0
+        if kind == "stream_chunk":
+            chunk_id = peer.chunk_ids.get(request_id, 0)
+            peer.chunk_ids[request_id] = chunk_id + 1
+        if route.backend == INLINE.name:
+            return await self._send_inline(
+                peer, enc, layout, request_id, kind, chunk_id, meta, stats, traceparent
+            )
+        return await self._send_object(
+            peer,
+            route,
+            enc,
+            layout,
+            payload,
+            request_id,
+            kind,
+            chunk_id,
+            meta,
+            stats,
+            lend,
+            traceparent,
+            shared,
+        )
+
     async def end_stream(
-        self, target: str, request_id: str, error: str | None, metadata: Any
+        self, target: str, request_id: str, error: str | None, metadata: Any, traceparent: str = ""
     ) -> None:
         core = self.core
         core.check_open()
@@ -106,6 +139,7 @@ class Sender:
                 is_done=True,
                 error=error,
                 metadata=meta,
+                traceparent=traceparent,
             )
             await core.outbox.send(peer, msg, core.config.ack_timeout)
 
@@ -124,7 +158,7 @@ class Sender:
 
             raise HandshakeError(f"no completed handshake with {target!r}")
         enc = codec.dumps(payload, allow_pickle=self.core.config.allow_pickle)
-        return self.select(peer, _payload_info(kind, enc.tensors, packing.plan(enc.tensors)))
+        return self.select(peer, payload_info(kind, enc.tensors, packing.plan(enc.tensors)))
 
     # -- routing -----------------------------------------------------------------------
 
@@ -174,6 +208,7 @@ class Sender:
         chunk_id: int,
         meta: bytes,
         stats: RouteStats,
+        traceparent: str,
     ) -> SendReceipt:
         data = bytearray(layout.nbytes)
         packing.pack_into(data, enc.tensors, layout)
@@ -186,6 +221,7 @@ class Sender:
                 header=enc.header, tensors=layout.metas, data=bytes(data), kind=kind
             ),
             metadata=meta,
+            traceparent=traceparent,
         )
         started = time.monotonic()
         await self.core.outbox.send(peer, msg, self.core.config.ack_timeout)
@@ -209,6 +245,8 @@ class Sender:
         meta: bytes,
         stats: RouteStats,
         lend: bool,
+        traceparent: str,
+        shared: SharedExport | None,
     ) -> SendReceipt:
         core = self.core
         backend = core.backends[route.backend]
@@ -228,7 +266,11 @@ class Sender:
         await self._credit(peer, record)
         posted = False
         try:
-            points = await self._export(peer, backend, info, enc, layout, payload, record, lend)
+            if shared is None:
+                points = await self._export(peer, backend, info, enc, layout, payload, record, lend)
+            else:  # a fan-out packed it once: this target reads the same buffer
+                record.export = shared.share()
+                points = [nbytes]
             assert record.export is not None
             ref = wire.DataRef(
                 object_id=record.object_id,
@@ -247,6 +289,7 @@ class Sender:
                 chunk_id=chunk_id,
                 data_ref=ref,
                 metadata=meta,
+                traceparent=traceparent,
             )
             # publish and announce under the peer's lock: a two-sided engine pairs sends
             # and receives in announce order.
@@ -277,8 +320,12 @@ class Sender:
         credits = peer.credits
         if not credits.try_acquire(record.length):
             timeout = self.core.config.ack_timeout
+            started = time.monotonic()
             with anyio.move_on_after(timeout) as wait:
                 await credits.acquire(record.length)
+            observer = self.core.observer
+            if observer is not None:
+                observer.credit_waited(self.core.name, peer.name, time.monotonic() - started)
             if wait.cancelled_caught:
                 raise AckTimeoutError(
                     f"no credit to send to {peer.name!r} within {timeout:g} s: {credits.count} "
@@ -426,7 +473,7 @@ class Sender:
         return {p.name: len(p.session.outbound) for p in self.peers.all()}
 
 
-def _payload_info(kind: Kind, tensors: list[torch.Tensor], layout: packing.PackPlan) -> PayloadInfo:
+def payload_info(kind: Kind, tensors: list[torch.Tensor], layout: packing.PackPlan) -> PayloadInfo:
     return PayloadInfo(kind, layout.nbytes, frozenset(t.device.type for t in tensors), len(tensors))
 
 
