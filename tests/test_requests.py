@@ -94,7 +94,7 @@ async def test_a_held_request_is_not_taken_by_unscoped_consumers() -> None:
             first = await b.receive()
             second = await b.receive()
             assert [first.request_id, second.request_id] == ["other-1", "other-2"]
-            with pytest.raises(TimeoutError, match="no delivery within 0.2 s"):
+            with pytest.raises(TimeoutError, match=r"no delivery within 0\.2 s"):
                 await b.receive(timeout=0.2)  # only the held request is left
             mine = [d async for d in held]
         assert [(d.kind, d.payload) for d in mine] == [("payload", 2), ("stream_end", None)]

@@ -48,11 +48,22 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from . import WIRE_VERSION, __version__
+
+    wire_version = ".".join(map(str, WIRE_VERSION))
     parser = argparse.ArgumentParser(
         prog="omniwire",
         description="Move tensor-bearing payloads between the stages of an inference pipeline.",
     )
-    parser.add_argument("-v", "--verbose", action="store_true", help="log routing decisions")
+    parser.add_argument(
+        "-V", "--version", action="version", version=f"omniwire {__version__} (wire {wire_version})"
+    )
+    parser.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        help="log routing decisions (and show the engines' own log lines)",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("demo", help="run a small pipeline and show which backend carried what")
     p.add_argument("--explain", action="store_true", help="show every candidate and why it lost")

@@ -161,7 +161,12 @@ class SendReceipt:
     """The fate of one sent object: ``await receipt.wait()`` returns once the
     receiver acknowledged it, or raises why it did not (``AckTimeoutError``,
     ``PeerLostError``, ``RequestAbortedError``, or ``BackendError`` carrying the
-    receiver's error)."""
+    receiver's error).
+
+    Attributes: ``peer``, ``request_id``, ``object_id`` (None for data that needs
+    no ACK: inline chunks), ``backend``, ``nbytes`` (tensor bytes), ``started`` /
+    ``finished`` (``time.monotonic()``), ``error`` (once done), :attr:`latency`.
+    """
 
     def __init__(
         self, peer: str, request_id: str, object_id: int | None, backend: str, nbytes: int
@@ -188,6 +193,8 @@ class SendReceipt:
             return f"{head} pending>"
         assert self.finished is not None
         took = f"{1000 * (self.finished - self.started):.2f} ms"
+        if self.error is None and self.object_id is None:
+            return f"{head} handed off (no ACK needed)>"
         if self.error is None:
             return f"{head} acknowledged in {took}>"
         return f"{head} failed after {took}: {type(self.error).__name__}: {self.error}>"

@@ -171,7 +171,15 @@ class Receiver:
         if msg.error is not None:
             peer.open_streams.pop(rid, None)
             self._deliver(
-                Delivery("error", rid, peer.name, msg.chunk_id, metadata=metadata, error=msg.error)
+                Delivery(
+                    "error",
+                    rid,
+                    peer.name,
+                    msg.chunk_id,
+                    metadata=metadata,
+                    error=msg.error,
+                    traceparent=msg.traceparent,
+                )
             )
         elif msg.inline is not None:
             self._take_inline(peer, msg, msg.inline, metadata)
@@ -179,7 +187,16 @@ class Receiver:
             await self._take_object(peer, item, metadata)
         if msg.is_done:
             peer.open_streams.pop(rid, None)
-            self._deliver(Delivery("stream_end", rid, peer.name, msg.chunk_id, metadata=metadata))
+            self._deliver(
+                Delivery(
+                    "stream_end",
+                    rid,
+                    peer.name,
+                    msg.chunk_id,
+                    metadata=metadata,
+                    traceparent=msg.traceparent,
+                )
+            )
 
     def _take_inline(
         self,
