@@ -16,24 +16,17 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import prometheus_client
 import pytest
 import torch
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from prometheus_client.parser import text_string_to_metric_families
 
 from omniwire.endpoint import Endpoint
 from omniwire.errors import HandshakeError
-from omniwire.observe import Observer
-
-prometheus_client = pytest.importorskip("prometheus_client")  # the test extra installs it
-pytest.importorskip("opentelemetry.sdk")
-
-from opentelemetry.sdk.trace import ReadableSpan, TracerProvider  # noqa: E402
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor  # noqa: E402
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import (  # noqa: E402
-    InMemorySpanExporter,
-)
-from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
-
-from omniwire.observe import PrometheusObserver, TracingObserver, serve_metrics  # noqa: E402
+from omniwire.observe import Observer, PrometheusObserver, TracingObserver, serve_metrics
 
 pytestmark = pytest.mark.asyncio
 
