@@ -44,6 +44,8 @@ def _demo(args: argparse.Namespace) -> int:
         argv.append("--remote")
     if args.backend:
         argv += ["--backend", args.backend]
+    if args.verbose:
+        argv.append("--verbose")
     return demo.main(argv)
 
 
