@@ -187,7 +187,7 @@ def test_unpack_of_any_table_returns_exact_views_or_raises_wire_format_error(
         return
     assert tuple(t.shape) == shape
     assert t.numel() * t.element_size() == nbytes
-    assert 0 <= offset and offset + nbytes <= size
+    assert offset >= 0 and offset + nbytes <= size
 
 
 @pytest.mark.parametrize(
