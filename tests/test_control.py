@@ -306,9 +306,7 @@ async def test_start_refuses_an_ipc_path_another_process_serves(short_dir: str) 
 
 
 @pytest.mark.asyncio
-async def test_start_refuses_when_the_abort_sibling_is_served(
-    short_dir: str, zctx: Raw
-) -> None:
+async def test_start_refuses_when_the_abort_sibling_is_served(short_dir: str, zctx: Raw) -> None:
     squatter = zctx.socket(zmq.PULL)
     squatter.bind(f"ipc://{short_dir}/me.abort")
     cp = ControlPlane(f"ipc://{short_dir}/me")
@@ -431,7 +429,8 @@ async def test_relative_ipc_paths_bind_and_are_removed(
     monkeypatch.chdir(short_dir)
     cp = ControlPlane("ipc://sub/rel")
     await cp.start()
-    assert cp.address == "ipc://sub/rel"
+    assert cp.address == f"ipc://{short_dir}/sub/rel"  # as other processes must dial it
+    assert cp.abort_address == f"ipc://{short_dir}/sub/rel.abort"
     monkeypatch.chdir("/")  # files are removed where they were made
     cp.close()
     assert os.listdir(os.path.join(short_dir, "sub")) == []
@@ -820,4 +819,51 @@ async def test_publish_and_recv_work_and_close_ends_a_waiting_recv(short_dir: st
     finally:
         a.close()
         b.close()
+    assert os.listdir(short_dir) == []
+
+
+_FD_EXHAUSTION = """
+import asyncio, os, resource, sys
+from omniwire.control import ControlPlane
+from omniwire.errors import AddressError
+
+async def main(d):
+    cp = ControlPlane(f"ipc://{d}/me")
+    await cp.start()
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 30, hard))
+    baseline = cp.socket_count()
+    try:
+        for i in range(1000):
+            cp.connect(f"p{i}", f"ipc://{d}/p{i}")
+    except AddressError as exc:
+        assert "Too many open files" in str(exc), exc
+        assert cp.socket_count() == baseline + 2 * len(cp.peers())  # the failed one: none
+    else:
+        raise AssertionError("1000 peers within 30 fds")
+    for peer in cp.peers():
+        cp.disconnect(peer)
+    assert cp.socket_count() == baseline
+    for _ in range(200):  # the reaper frees the fds in the background
+        try:
+            cp.connect("again", f"ipc://{d}/again")
+            break
+        except AddressError:
+            await asyncio.sleep(0.05)
+    assert cp.has_peer("again")
+    await cp.aclose()
+    print("ok", flush=True)
+
+asyncio.run(main(sys.argv[1]))
+"""
+
+
+def test_running_out_of_file_descriptors_is_an_address_error_and_recovers(short_dir: str) -> None:
+    out = subprocess.run(
+        [sys.executable, "-c", _FD_EXHAUSTION, short_dir],
+        capture_output=True,
+        timeout=120,
+        check=False,
+    )
+    assert out.returncode == 0 and out.stdout == b"ok\n", out.stderr.decode()[-2000:]
     assert os.listdir(short_dir) == []

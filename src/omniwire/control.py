@@ -36,7 +36,7 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, Literal, TypeVar, cast
+from typing import Any, Literal, cast
 
 import zmq
 import zmq.asyncio
@@ -59,8 +59,6 @@ from .wire import MAX_FRAME_SIZE
 __all__ = ["Address", "ControlPlane", "CurveKey", "PeerEvent", "parse_address"]
 
 log = logging.getLogger("omniwire.control")
-
-T = TypeVar("T")
 
 #: ZMQ drops a connection that sends a larger message, before it reaches memory.
 #: Frames between MAX_FRAME_SIZE and this are received and refused by the decoder.
@@ -252,11 +250,17 @@ def primary_ip() -> str:
 
 
 def advertised(address: str) -> str:
-    """A bound address as peers should dial it: a wildcard host becomes this host's IP."""
+    """A bound address as peers should dial it: a wildcard host becomes this host's IP;
+    a relative ipc path becomes absolute (other processes have other working
+    directories) where the absolute path still fits a unix socket address."""
     if address.startswith("tcp://"):
         host, _, port = address[len("tcp://") :].rpartition(":")
         if host in ("0.0.0.0", "*", "[::]", "::"):
             return f"tcp://{primary_ip()}:{port}"
+    elif address.startswith("ipc://") and not address.startswith(("ipc:///", "ipc://@")):
+        absolute = os.path.abspath(address[len("ipc://") :])
+        if len(absolute.encode()) <= IPC_PATH_MAX:
+            return f"ipc://{absolute}"
     return address
 
 
@@ -739,7 +743,10 @@ class ControlPlane:
         if monitor is None:
             return
         while not monitor.closed:
-            read = cast("asyncio.Future[list[bytes]]", monitor.recv_multipart())
+            try:
+                read = cast("asyncio.Future[list[bytes]]", monitor.recv_multipart())
+            except zmq.ZMQError:
+                return
             self._monitor_reads[peer] = read
             try:
                 raw = await read
@@ -792,7 +799,10 @@ class ControlPlane:
         done = False
         try:
             while True:
-                fut = cast("asyncio.Future[Any]", sock.send(frame, copy=len(frame) < 65536))
+                try:
+                    fut = cast("asyncio.Future[Any]", sock.send(frame, copy=len(frame) < 65536))
+                except zmq.ZMQError as exc:
+                    raise self._send_error(peer, exc) from exc
                 pending.add(fut)
                 try:
                     await (fut if timeout is None else asyncio.wait_for(fut, timeout))
@@ -804,9 +814,7 @@ class ControlPlane:
                         "(its queue stayed full: stopped, hung or flooded)"
                     ) from None
                 except zmq.ZMQError as exc:
-                    if self._state == "closed" or exc.errno in (errno.ENOTSOCK, zmq.ETERM):
-                        raise EndpointClosedError("control plane is closed") from exc
-                    raise OmniwireError(f"cannot send to peer {peer!r}: {exc}") from exc
+                    raise self._send_error(peer, exc) from exc
                 finally:
                     pending.discard(fut)
                 done = True
@@ -820,6 +828,11 @@ class ControlPlane:
             else:
                 self._waiting.pop(peer, None)
                 self._blocked.pop(peer, None)
+
+    def _send_error(self, peer: str, exc: zmq.ZMQError) -> OmniwireError:
+        if self._state == "closed" or exc.errno in (errno.ENOTSOCK, zmq.ETERM):
+            return EndpointClosedError("control plane is closed")
+        return OmniwireError(f"cannot send to peer {peer!r}: {exc}")
 
     def send_nowait(self, peer: str, frame: bytes) -> bool:
         """Send one frame now if ZeroMQ can queue it without waiting.
@@ -930,7 +943,7 @@ class ControlPlane:
             pass
         except zmq.ZMQError as exc:
             raise EndpointClosedError(f"control plane is closed: {exc}") from exc
-        return await self._read(cast("asyncio.Future[bytes]", self._pull.recv()))
+        return await self._read(self._pull)
 
     async def recv_abort(self) -> bytes:
         """The next abort frame any peer published.
@@ -941,9 +954,13 @@ class ControlPlane:
         """
         self._check_open()
         assert self._sub is not None
-        return await self._read(cast("asyncio.Future[bytes]", self._sub.recv()))
+        return await self._read(self._sub)
 
-    async def _read(self, fut: asyncio.Future[T]) -> T:
+    async def _read(self, sock: zmq.asyncio.Socket) -> bytes:
+        try:
+            fut = cast("asyncio.Future[bytes]", sock.recv())
+        except zmq.ZMQError as exc:
+            raise EndpointClosedError(f"control plane is closed: {exc}") from exc
         self._reads.add(fut)
         try:
             return await fut
