@@ -867,3 +867,34 @@ def test_running_out_of_file_descriptors_is_an_address_error_and_recovers(short_
     )
     assert out.returncode == 0 and out.stdout == b"ok\n", out.stderr.decode()[-2000:]
     assert os.listdir(short_dir) == []
+
+
+@pytest.mark.asyncio
+async def test_a_released_send_does_not_disturb_the_next_connection_to_that_name(
+    plane: ControlPlane, short_dir: str, deaf: zmq.asyncio.Socket
+) -> None:
+    address = f"ipc://{short_dir}/deaf"
+    loop = asyncio.get_running_loop()
+    plane.connect("deaf", address)
+    await _fill(plane, "deaf")
+    old = loop.create_task(plane.send("deaf", b"old"))
+    with anyio.fail_after(20):
+        while plane.blocked_since("deaf") is None:
+            await anyio.sleep(0.01)
+
+    async def reconnect_and_send() -> None:
+        # no checkpoint until this send waits: the old send has not woken up yet
+        plane.disconnect("deaf")
+        plane.connect("deaf", address)  # the same name again
+        for _ in range(100_000):
+            if not plane.send_nowait("deaf", FRAME):
+                break
+        await plane.send("deaf", b"new")
+
+    new = loop.create_task(reconnect_and_send())
+    with pytest.raises(PeerLostError):
+        await old
+    assert plane.blocked_since("deaf") is not None  # the new connection's wait still counts
+    plane.disconnect("deaf")
+    with pytest.raises(PeerLostError):
+        await new

@@ -821,7 +821,9 @@ class ControlPlane:
                 return
         finally:
             left = self._waiting.get(peer, 1) - 1
-            if left > 0:
+            if self._push.get(peer) is not sock:
+                pass  # released meanwhile (perhaps connected anew): not ours to count
+            elif left > 0:
                 self._waiting[peer] = left
                 if done and peer in self._blocked:
                     self._blocked[peer] = time.monotonic()  # it moved: wait from now
