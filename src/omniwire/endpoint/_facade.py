@@ -313,7 +313,7 @@ class Endpoint:
                         await backend.aclose()
                     except Exception:
                         log.exception("closing backend %s of %s", backend.name, core.name)
-            await anyio.to_thread.run_sync(core.control.close)
+            await core.control.aclose()
             self._receiver.pool.clear()
             core.state = State.CLOSED
             self._closed.set()
@@ -327,6 +327,7 @@ class Endpoint:
             now = time.monotonic()
             self._peers.tick(now)
             self._sender.check_deadlines(now)
+            self._core.noisy.flush()
 
     # -- peers ------------------------------------------------------------------------
 

@@ -121,7 +121,7 @@ class Outbox:
                 frame, waiter = queue[0]
                 try:
                     await self._control.send(peer, frame)
-                except (KeyError, EndpointClosedError) as exc:  # socket gone: peer dropped
+                except (KeyError, OmniwireError) as exc:  # socket gone: peer dropped
                     self.drop(peer, EndpointClosedError(f"no connection to {peer!r}: {exc}"))
                     return
                 queue.popleft()

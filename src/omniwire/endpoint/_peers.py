@@ -134,7 +134,7 @@ class PeerTable:
                 peer.auth_failure = "it refused our credentials (authentication key mismatch?)"
                 self.core.counters["auth_failed"] += 1
                 self.core.noisy.warning(
-                    "auth:" + peer.name, "%s: %s %s", self.core.name, peer.name, peer.auth_failure
+                    "auth", "%s: %s %s", self.core.name, peer.name, peer.auth_failure
                 )
                 peer.notify()
 
@@ -176,7 +176,7 @@ class PeerTable:
             raise RemoteProtocolError(f"unexpected Refusal from {msg.from_stage!r} ({msg.code})")
         core.counters["refusals_received"] += 1
         peer.refusal = refusal_error(core, peer, msg)
-        core.noisy.warning("refused:" + peer.name, "%s: %s", core.name, peer.refusal)
+        core.noisy.warning("refused", "%s: %s", core.name, peer.refusal)
         peer.notify()
 
     def on_goodbye(self, peer: Peer, msg: wire.GoodbyeMessage) -> None:
@@ -217,7 +217,7 @@ class PeerTable:
             except (OmniwireError, OSError, ValueError) as exc:
                 core.counters["backend_refused"] += 1
                 core.noisy.warning(
-                    "connect:" + name,
+                    "connect",
                     "%s: backend %s cannot serve %s: %s",
                     core.name,
                     name,
@@ -353,9 +353,7 @@ class PeerTable:
             log.info("%s: peer %s %s", core.name, peer.name, reason)
         elif was_ready or out or inn:
             core.counters["peers_lost"] += 1
-            core.noisy.warning(
-                "lost:" + peer.name, "%s: peer %s lost: %s", core.name, peer.name, reason
-            )
+            core.noisy.warning("lost", "%s: peer %s lost: %s", core.name, peer.name, reason)
         error = cls(
             f"peer {peer.name!r} {'closed' if status is PeerStatus.CLOSED else 'was lost'}: {reason}"
         )
