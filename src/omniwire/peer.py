@@ -28,8 +28,8 @@ import anyio
 from .endpoint import Endpoint
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m omniwire.peer")
+def _parser(prog: str = "python -m omniwire.peer") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog)
     p.add_argument("--name", required=True)
     p.add_argument("--address", required=True)
     p.add_argument("--peer", action="append", default=[], help="NAME=ADDRESS")
@@ -115,8 +115,9 @@ async def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def main() -> None:
-    sys.exit(anyio.run(run, _parser().parse_args()))
+def main(argv: list[str] | None = None, prog: str = "python -m omniwire.peer") -> None:
+    """Run the peer with ``argv`` (default: the command line); exits with its status."""
+    sys.exit(anyio.run(run, _parser(prog).parse_args(argv)))
 
 
 if __name__ == "__main__":
