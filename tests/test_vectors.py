@@ -240,3 +240,29 @@ def test_curve_key_derivation_vector() -> None:
         vector["secret_key_z85"],
         vector["public_key_z85"],
     )
+
+
+# -- registries ---------------------------------------------------------------------------
+
+
+def _cddl_choice(rule: str) -> set[str]:
+    text = wire_cddl.SCHEMA_PATH.read_text()
+    m = re.search(rf"^{re.escape(rule)} = \(([^)]*)\)", text, re.MULTILINE)
+    assert m is not None, rule
+    return set(re.findall(r'"([^"]+)"', m.group(1)))
+
+
+def test_schema_registries_match_the_code() -> None:
+    assert _cddl_choice("nack-reason") == wire.NACK_REASONS
+    assert _cddl_choice("refusal-code") == wire.REFUSAL_CODES
+    assert _cddl_choice("dtype") == set(wire.DTYPE_ITEMSIZE)
+
+
+def test_spec_registries_match_the_code() -> None:
+    """Every registered code, dtype and ext type appears in the spec's registry tables."""
+    spec = (ROOT / "specs" / "wire-v1.md").read_text()
+    for name in (*wire.NACK_REASONS, *wire.REFUSAL_CODES, *wire.DTYPE_ITEMSIZE):
+        assert re.search(rf"^\| `{name}` \|", spec, re.MULTILINE), name
+    for code in (codec.EXT_TUPLE, codec.EXT_TENSOR, codec.EXT_NDARRAY, codec.EXT_STRUCT):
+        assert re.search(rf"^\| {code} \|", spec, re.MULTILINE), code
+    assert re.search(rf"\*\*Version: {wire.WIRE_VERSION[0]}\.{wire.WIRE_VERSION[1]}\*\*", spec)
