@@ -374,7 +374,7 @@ class ForeignPeer:
         self.pub.send(data)
 
     def recv(self, timeout: float) -> Received | None:
-        """The next frame, validated against the CDDL; Hellos are answered as §7 says."""
+        """The next frame, validated against the CDDL; Hellos are answered as §10.1 says."""
         events = dict(self.poller.poll(int(timeout * 1000)))
         if not events:
             return None
@@ -402,7 +402,7 @@ class ForeignPeer:
         raise Timeout(f"{self.name}: no {what or 'matching frame'} within {timeout:g} s; saw:\n{self.trace()}")
 
     def handshake(self, peer_name: str, address: str, timeout: float = 10.0) -> dict[str, Any]:
-        """Hello both ways (§7.1); returns the reference's Hello."""
+        """Hello both ways (§10.1); returns the reference's Hello."""
         self.connect(address)
         self.send(self.hello(to_endpoint=peer_name))
         self.expect(

@@ -299,6 +299,13 @@ def test_refusal_of_a_forged_shm_prefix(reference: PeerProcess, foreign: Foreign
     assert refusal["code"] == "bad_hello"
 
 
+def test_refusal_own_name(reference: PeerProcess, foreign: ForeignPeer) -> None:
+    foreign.connect(reference.address)
+    foreign.send(foreign.hello(name=REFERENCE))
+    refusal = foreign.expect(lambda b: b["type"] == "refusal", WAIT, "a Refusal")
+    assert (refusal["code"], refusal["to_stage"]) == ("own_name", REFERENCE)
+
+
 # -- batch and close (§2.4, §2.7) -------------------------------------------------------
 
 
