@@ -284,7 +284,9 @@ class ForeignPeer:
         metas, data = pack(arrays)
         return {"header": header(value), "tensors": metas, "data": data, "kind": kind}
 
-    def ack(self, object_id: int, *, success: bool = True, reason: str | None = None) -> dict[str, Any]:
+    def ack(
+        self, object_id: int, *, success: bool = True, reason: str | None = None
+    ) -> dict[str, Any]:
         assert self.peer is not None
         return {
             "type": "data_ack",
@@ -399,7 +401,9 @@ class ForeignPeer:
             got = self.recv(left)
             if got is not None and match(got.body):
                 return got.body
-        raise Timeout(f"{self.name}: no {what or 'matching frame'} within {timeout:g} s; saw:\n{self.trace()}")
+        raise Timeout(
+            f"{self.name}: no {what or 'matching frame'} within {timeout:g} s; saw:\n{self.trace()}"
+        )
 
     def handshake(self, peer_name: str, address: str, timeout: float = 10.0) -> dict[str, Any]:
         """Hello both ways (§10.1); returns the reference's Hello."""
@@ -415,7 +419,9 @@ class ForeignPeer:
 
     def trace(self) -> str:
         return "\n".join(
-            f"  {d}: {b.get('type')} {({k: v for k, v in b.items() if k not in ('type', 'backends', 'devices')})}"[:300]
+            f"  {d}: {b.get('type')} { ({k: v for k, v in b.items() if k not in ('type', 'backends', 'devices')}) }"[
+                :300
+            ]
             for d, b in self.log
         )
 

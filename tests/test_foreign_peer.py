@@ -17,6 +17,8 @@ import pathlib
 import re
 import secrets
 import stat
+import subprocess
+import sys
 import tempfile
 from collections.abc import Iterator
 
@@ -26,7 +28,7 @@ import pytest
 
 from omniwire.testing import PeerProcess
 
-from foreign_peer import ForeignPeer, Timeout, TensorIndex, read_header, unpack
+from foreign_peer import ForeignPeer, TensorIndex, Timeout, read_header, unpack
 
 REFERENCE = "ref"
 WAIT = 10.0  # seconds any one expected frame may take
@@ -68,6 +70,29 @@ def test_the_foreign_peer_imports_no_omniwire() -> None:
             for alias in node.names
         }
         assert not {m for m in imported if m.split(".")[0] == "omniwire"}, module
+
+
+def test_omniwire_peer_runs_the_reference_endpoint() -> None:
+    """``omniwire peer`` (foreign-peer.md §1): READY <address>, then a clean exit on SIGTERM."""
+    address = _address("cli-peer")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "omniwire.cli", "peer", "--name", "cli", "--address", address],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline().strip() == f"READY {address}"
+        proc.terminate()
+        assert proc.wait(60) == 0
+        assert proc.stdout.read().strip() == "DONE 0"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
 
 
 # -- handshake (foreign-peer.md §2.1) ---------------------------------------------------
@@ -118,7 +143,9 @@ def test_inline_stream_chunks_both_ways(reference: PeerProcess, foreign: Foreign
     )
     assert echo["request_id"] == "req-inline" and echo["chunk_id"] == 0
     assert echo["inline"]["kind"] == "stream_chunk"
-    value = read_header(echo["inline"]["header"], unpack(echo["inline"]["data"], echo["inline"]["tensors"]))
+    value = read_header(
+        echo["inline"]["header"], unpack(echo["inline"]["data"], echo["inline"]["tensors"])
+    )
     assert value["n"] == 6 and np.array_equal(value["ids"], chunk)
     assert msgpack.unpackb(echo["metadata"]) == {"step": 0}
     end = foreign.expect(lambda b: b["type"] == "data_ready" and b["is_done"], WAIT, "stream end")
@@ -175,7 +202,7 @@ def test_shm_both_ways(reference: PeerProcess, foreign: ForeignPeer) -> None:
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
     fd = os.open(path, os.O_RDONLY)
     try:  # its creator holds an exclusive flock for the segment's life
-        with pytest.raises(OSError) as locked:
+        with pytest.raises(BlockingIOError) as locked:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         assert locked.value.errno in (errno.EWOULDBLOCK, errno.EAGAIN)
     finally:
@@ -319,7 +346,12 @@ def test_batch_is_applied_in_order(reference: PeerProcess, foreign: ForeignPeer)
         )
         for i in range(3)
     ]
-    foreign.send({"type": "batch", "messages": [*chunks, foreign.data_ready("req-batch", chunk_id=3, is_done=True)]})
+    foreign.send(
+        {
+            "type": "batch",
+            "messages": [*chunks, foreign.data_ready("req-batch", chunk_id=3, is_done=True)],
+        }
+    )
     got = [
         foreign.expect(
             lambda b: b["type"] == "data_ready" and b["request_id"] == "req-batch",
@@ -343,17 +375,28 @@ def test_goodbye_on_close(foreign: ForeignPeer) -> None:
     assert (goodbye["from_stage"], goodbye["instance"]) == ("ref-closing", hello["instance"])
 
 
-def test_data_after_our_goodbye_starts_nothing(reference: PeerProcess, foreign: ForeignPeer) -> None:
+def test_data_after_our_goodbye_starts_nothing(
+    reference: PeerProcess, foreign: ForeignPeer
+) -> None:
     """After our Goodbye the reference holds nothing of us; a new Hello starts afresh."""
     foreign.handshake(REFERENCE, reference.address)
-    foreign.send({"type": "goodbye", "from_stage": foreign.name, "instance": foreign.instance, "reason": "bye"})
+    foreign.send(
+        {
+            "type": "goodbye",
+            "from_stage": foreign.name,
+            "instance": foreign.instance,
+            "reason": "bye",
+        }
+    )
     foreign.send(
         foreign.data_ready(
             "req-after-bye", inline=foreign.inline([np.ones(1, dtype=np.uint8)], TensorIndex(0))
         )
     )
     with pytest.raises(Timeout):
-        foreign.expect(lambda b: b["request_id"] == "req-after-bye" if "request_id" in b else False, 3.0)
+        foreign.expect(
+            lambda b: b["request_id"] == "req-after-bye" if "request_id" in b else False, 3.0
+        )
     foreign.send(foreign.hello(to_endpoint=REFERENCE))
     foreign.expect(lambda b: b["type"] == "hello" and b["is_reply"], WAIT, "a new reply")
     foreign.send(

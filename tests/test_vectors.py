@@ -85,7 +85,9 @@ def test_payload_header_matches_the_cddl_schema() -> None:
     wire_cddl.validate("payload-header", (VECTORS / "payload_header.bin").read_bytes())
 
 
-@pytest.mark.parametrize("path", [*MESSAGE_FILES, VECTORS / "payload_header.bin"], ids=lambda p: p.stem)
+@pytest.mark.parametrize(
+    "path", [*MESSAGE_FILES, VECTORS / "payload_header.bin"], ids=lambda p: p.stem
+)
 def test_a_second_encoder_writes_the_same_bytes(path: pathlib.Path) -> None:
     """The msgpack package, given the decoded body, writes the vector again: the
     encoding rules of spec §2.3 (smallest forms, float64, fixext) determine it."""

@@ -48,9 +48,7 @@ def _ext(code: int, data: bytes) -> cbor2.CBORTag:
 def unpack(data: bytes) -> Any:
     """msgpack → Python, keeping what CBOR needs: arrays as tuples (hashable keys),
     non-string keys, ext values as CBOR tags."""
-    return msgpack.unpackb(
-        data, raw=False, strict_map_key=False, use_list=False, ext_hook=_ext
-    )
+    return msgpack.unpackb(data, raw=False, strict_map_key=False, use_list=False, ext_hook=_ext)
 
 
 def to_cbor(data: bytes) -> bytes:

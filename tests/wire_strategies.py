@@ -146,6 +146,4 @@ batches = st.builds(
     wire.BatchMessage, messages=st.lists(batchable, min_size=1, max_size=4).map(tuple)
 )
 
-messages = st.one_of(
-    hellos, data_readies(), progresses, acks, aborts, goodbyes, refusals, batches
-)
+messages = st.one_of(hellos, data_readies(), progresses, acks, aborts, goodbyes, refusals, batches)
