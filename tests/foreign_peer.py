@@ -405,6 +405,21 @@ class ForeignPeer:
             f"{self.name}: no {what or 'matching frame'} within {timeout:g} s; saw:\n{self.trace()}"
         )
 
+    def seen(
+        self, match: Callable[[dict[str, Any]], bool], timeout: float = 10.0, what: str = ""
+    ) -> dict[str, Any]:
+        """A matching frame received already, or the next one to come."""
+        for direction, body in self.log:
+            if direction.startswith("received") and match(body):
+                return body
+        return self.expect(match, timeout, what)
+
+    def own_hello(self, timeout: float = 10.0) -> dict[str, Any]:
+        """The peer's own Hello (``is_reply`` false), received already or still to come."""
+        return self.seen(
+            lambda b: b["type"] == "hello" and not b["is_reply"], timeout, "the peer's own Hello"
+        )
+
     def handshake(self, peer_name: str, address: str, timeout: float = 10.0) -> dict[str, Any]:
         """Hello both ways (§10.1); returns the reference's Hello."""
         self.connect(address)

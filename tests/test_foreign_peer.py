@@ -101,9 +101,8 @@ def test_omniwire_peer_runs_the_reference_endpoint() -> None:
 def test_handshake(reference: PeerProcess, foreign: ForeignPeer) -> None:
     hello = foreign.handshake(REFERENCE, reference.address)
     # The reference also says its own Hello once its PUSH to us is up; we answered it.
-    foreign.expect(
-        lambda b: b["type"] == "hello" and not b["is_reply"], WAIT, "the reference's own Hello"
-    )
+    foreign.own_hello(WAIT)
+    foreign.seen(lambda b: b["type"] == "hello" and b["is_reply"], WAIT, "the reference's reply")
     hellos = _frames_of(foreign, "hello")
     assert {h["is_reply"] for h in hellos} == {True, False}
     assert tuple(hello["wire_min"]) <= (1, 1) <= tuple(hello["wire_max"])
@@ -117,9 +116,7 @@ def test_the_reference_hello_addresses_us_by_name(
 ) -> None:
     """1.1: its own Hello names the stage it addresses (to_endpoint)."""
     foreign.handshake(REFERENCE, reference.address)
-    own = foreign.expect(
-        lambda b: b["type"] == "hello" and not b["is_reply"], WAIT, "the reference's own Hello"
-    )
+    own = foreign.own_hello(WAIT)
     assert own["to_endpoint"] == foreign.name
 
 
@@ -192,7 +189,7 @@ def test_shm_both_ways(reference: PeerProcess, foreign: ForeignPeer) -> None:
     assert os.path.exists(segment.path)  # the receiver never unlinks what it does not own
     segment.close()  # ours: unlinked once, after the ACK
 
-    echo = foreign.expect(
+    echo = foreign.seen(  # the echo may overtake the ACK: both come from the reference
         lambda b: b["type"] == "data_ready" and b["request_id"] == "req-shm", WAIT, "the echo"
     )
     data_ref = echo["data_ref"]
@@ -229,7 +226,7 @@ def test_shm_progressive(reference: PeerProcess, foreign: ForeignPeer) -> None:
     )
     ack = foreign.expect(lambda b: b["type"] == "data_ack", WAIT, "the ACK")
     assert ack["success"] and ack["object_id"] == 2
-    echo = foreign.expect(lambda b: b["type"] == "data_ready", WAIT, "the echo")
+    echo = foreign.seen(lambda b: b["type"] == "data_ready", WAIT, "the echo")
     assert np.array_equal(foreign.read_object(echo["data_ref"]), data)
     foreign.send(foreign.ack(echo["data_ref"]["object_id"]))
 
@@ -368,7 +365,7 @@ def test_goodbye_on_close(foreign: ForeignPeer) -> None:
     peer = PeerProcess("ref-closing", _address("ref-closing"), "--backends", "shm")
     try:
         hello = foreign.handshake("ref-closing", peer.address)
-        foreign.expect(lambda b: b["type"] == "hello" and not b["is_reply"], WAIT, "its Hello")
+        foreign.own_hello(WAIT)
     finally:
         assert peer.stop() == 0, peer.output
     goodbye = foreign.expect(lambda b: b["type"] == "goodbye", WAIT, "a Goodbye")
