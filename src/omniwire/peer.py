@@ -81,8 +81,9 @@ async def run(args: argparse.Namespace) -> int:
     )
     handled = 0
     async with ep:
-        print(f"READY {ep.address}", flush=True)
         with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            # READY only once SIGTERM is handled: a stop right after it is a clean exit
+            print(f"READY {ep.address}", flush=True)
             async with anyio.create_task_group() as tg:
 
                 async def stop_on_signal() -> None:
