@@ -455,7 +455,7 @@ def negatives() -> list[dict[str, Any]]:
 
     v = "wire.decode"
     c = "codec.loads"
-    s = "shm.open"
+    s = "shm.import"
     wfe = "WireFormatError"
     return [
         # -- frame layer
@@ -880,7 +880,7 @@ def build() -> dict[str, bytes]:
         {
             "about": "Frames and blobs a reader MUST reject (specs/wire-v1.md §12.3). "
             "layer: wire.decode (a whole frame), codec.loads (a payload header, with a "
-            "table of `tensors` tensors), shm.open (an shm BackendRef.info from the peer of "
+            "table of `tensors` tensors), shm.import (an shm BackendRef.info from the peer of "
             "vectors/hello.bin, for an object of `length` bytes). error: the class omniwire "
             "raises; match: a regular expression its message matches.",
             "vectors": manifest,

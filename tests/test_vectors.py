@@ -194,7 +194,7 @@ def _shm_open(data: bytes, length: int) -> None:
         backend = ShmBackend(BackendContext(endpoint="encoder", instance=1))
         await backend.connect(peer)
         try:
-            await backend.open(peer, data, length)
+            await backend.import_(peer, data, length)
         finally:
             await backend.aclose()
 
@@ -207,7 +207,7 @@ def _reject(entry: dict[str, Any]) -> None:
         wire.decode(data)
     elif entry["layer"] == "codec.loads":
         codec.loads(data, [torch.zeros(1)] * entry["tensors"])
-    elif entry["layer"] == "shm.open":
+    elif entry["layer"] == "shm.import":
         _shm_open(data, entry["length"])
     else:
         raise AssertionError(f"unknown layer {entry['layer']!r}")
