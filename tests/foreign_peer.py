@@ -15,6 +15,7 @@ import os
 import re
 import secrets
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -218,6 +219,7 @@ class ForeignPeer:
         self.poller = zmq.Poller()
         self.poller.register(self.pull, zmq.POLLIN)
         self.poller.register(self.sub, zmq.POLLIN)
+        self.batched: deque[Received] = deque()  # messages of a batch not yet returned
 
     # -- messages (field order of §4) -------------------------------------------------
 
@@ -376,7 +378,10 @@ class ForeignPeer:
         self.pub.send(data)
 
     def recv(self, timeout: float) -> Received | None:
-        """The next frame, validated against the CDDL; Hellos are answered as §10.1 says."""
+        """The next message, validated against the CDDL; a batch's messages come one by
+        one, in order (§4.10); Hellos are answered as §10.1 says."""
+        if self.batched:
+            return self.batched.popleft()
         events = dict(self.poller.poll(int(timeout * 1000)))
         if not events:
             return None
@@ -384,6 +389,11 @@ class ForeignPeer:
         data = sock.recv()
         body = wire_cddl.validate_frame(data)
         self.log.append((f"received ({channel}, {data[4]}.{data[5]})", body))
+        if body["type"] == "batch":
+            for inner in body["messages"]:
+                self.log.append((f"received ({channel}, {data[4]}.{data[5]}, in a batch)", inner))
+                self.batched.append(Received(channel, inner))
+            return self.batched.popleft()
         if body["type"] == "hello":
             self.peer = body
             if body["abort_address"]:

@@ -937,15 +937,59 @@ class ControlPlane:
             EndpointNotStartedError / EndpointClosedError: not started, or closed
                 (also while waiting).
         """
+        while True:
+            frames = await self.recv_many(1)
+            if frames:
+                return frames[0]
+
+    async def recv_many(self, limit: int = 512) -> list[bytes]:
+        """Every frame queued at this endpoint's PULL socket (1 to ``limit``), waiting
+        for one if none is. The socket's file descriptor is watched by the event loop
+        only while nothing is queued: a busy endpoint pays no wake-up per frame.
+
+        Raises:
+            EndpointNotStartedError / EndpointClosedError: not started, or closed
+                (also while waiting).
+        """
         self._check_open()
-        assert self._pull is not None
-        try:  # frames already queued are taken without a future; this is the only reader
-            return zmq.Socket.recv(self._pull, zmq.DONTWAIT)
-        except zmq.Again:
-            pass
-        except zmq.ZMQError as exc:
-            raise EndpointClosedError(f"control plane is closed: {exc}") from exc
-        return await self._read(self._pull)
+        pull = self._pull
+        assert pull is not None
+        while True:
+            frames: list[bytes] = []
+            try:
+                while len(frames) < limit:
+                    frames.append(zmq.Socket.recv(pull, zmq.DONTWAIT))
+            except zmq.Again:
+                pass
+            except zmq.ZMQError as exc:
+                raise EndpointClosedError(f"control plane is closed: {exc}") from exc
+            if frames:
+                return frames
+            await self._readable(pull)
+
+    async def _readable(self, sock: zmq.asyncio.Socket) -> None:
+        """Wait until ``sock`` has a frame (its FD signals, ZMQ_EVENTS says POLLIN)."""
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[None] = loop.create_future()
+        fd = cast(int, zmq.Socket.getsockopt(sock, zmq.FD))
+
+        def check() -> None:  # the FD only says "look": ZMQ_EVENTS tells (and re-arms it)
+            if fut.done():
+                return
+            try:
+                if cast(int, zmq.Socket.getsockopt(sock, zmq.EVENTS)) & zmq.POLLIN:
+                    fut.set_result(None)
+            except zmq.ZMQError as exc:
+                fut.set_exception(EndpointClosedError(f"control plane is closed: {exc}"))
+
+        self._reads.add(fut)
+        loop.add_reader(fd, check)
+        try:
+            check()  # a frame may have arrived between the last recv and add_reader
+            await fut
+        finally:
+            loop.remove_reader(fd)
+            self._reads.discard(fut)
 
     async def recv_abort(self) -> bytes:
         """The next abort frame any peer published.

@@ -42,7 +42,7 @@ from ..errors import (
     RemoteProtocolError,
 )
 from ..flow import Credits
-from ..routing import INLINE, Candidate, Edge
+from ..routing import INLINE, INLINE_ANY, Candidate, Edge
 from ._core import Core
 from ._handshake import check_hello, hello_of, locality_of, peer_infos, refusal_error, refuse
 from ._records import InRecord, OutRecord, Peer, PeerStatus
@@ -220,7 +220,7 @@ class PeerTable:
             and hostinfo.gpu_peer_access(core.devices, hello.devices),
         )
         peer.candidates = (
-            INLINE,
+            INLINE_ANY if peer.session.version >= (1, 1) else INLINE,
             *(
                 Candidate(n, type(core.backends[n]).capabilities, type(core.backends[n]).summary)
                 for n in info
