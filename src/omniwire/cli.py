@@ -1,4 +1,4 @@
-"""The ``omniwire`` console script: ``demo``, ``backends``, ``bench``."""
+"""The ``omniwire`` console script: ``demo``, ``backends``, ``bench``, ``peer``."""
 
 from __future__ import annotations
 
@@ -79,12 +79,21 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("backends", help="list every registered backend, available or why not")
     p.set_defaults(func=_backends)
     sub.add_parser("bench", help="throughput and latency per backend and size (omniwire bench -h)")
+    sub.add_parser(
+        "peer",
+        help="run a reference endpoint (echo or sink) for foreign implementations (omniwire peer -h)",
+    )
     argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] == "bench":  # bench has its own parser
+    if argv and argv[0] in ("bench", "peer"):  # each has its own parser
         logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-        from . import bench
+        if argv[0] == "bench":
+            from . import bench
 
-        return bench.main(argv[1:])
+            return bench.main(argv[1:])
+        from . import peer
+
+        peer.main(argv[1:], prog="omniwire peer")  # exits with the peer's status
+        return 0
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING,

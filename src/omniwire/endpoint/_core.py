@@ -8,6 +8,7 @@ import logging
 from dataclasses import dataclass, field
 
 from .. import wire
+from .._ratelimit import RateLimitedLog
 from ..backends.base import BackendBase
 from ..control import ControlPlane
 from ..errors import EndpointClosedError, EndpointNotStartedError
@@ -15,7 +16,7 @@ from ..observe import Observer
 from ._aborts import Aborts
 from ._config import EndpointConfig
 from ._outbox import Outbox
-from ._stats import Counters, NoisyLog
+from ._stats import Counters
 from ._supervisor import Supervisor
 
 __all__ = ["Core", "State"]
@@ -47,7 +48,8 @@ class Core:
     state: State = State.NEW
     loop: asyncio.AbstractEventLoop | None = None
     loop_thread: int = 0
-    noisy: NoisyLog = field(default_factory=lambda: NoisyLog(log))
+    #: Log records a peer can cause go through here: a few per cause, then a count.
+    noisy: RateLimitedLog = field(default_factory=lambda: RateLimitedLog(log, interval=10.0))
     #: Told of sends, credit waits and deliveries; None (the default) costs nothing.
     observer: Observer | None = None
 

@@ -41,11 +41,12 @@ class Dispatcher:
         control, receiver = self.core.control, self.receiver
         while True:
             try:
-                frame = await control.recv()
+                frames = await control.recv_many()
             except EndpointClosedError:
                 return
-            for peer in self.on_frame(frame, abort_channel=False):
-                await receiver.take_head(peer)
+            for frame in frames:
+                for peer in self.on_frame(frame, abort_channel=False):
+                    await receiver.take_head(peer)
 
     async def abort_loop(self) -> None:
         """Frames from the PUB sockets of the peers we subscribed to."""

@@ -14,6 +14,8 @@ import os
 from collections.abc import Iterable
 
 from .. import hostinfo, wire
+from ..backends.base import PeerInfo
+from ..capabilities import Locality
 from ..control import parse_address
 from ..errors import (
     AddressError,
@@ -24,7 +26,7 @@ from ..errors import (
 from ._core import Core
 from ._records import Peer, PeerStatus
 
-__all__ = ["check_hello", "hello_of", "refusal_error", "refuse"]
+__all__ = ["check_hello", "hello_of", "locality_of", "peer_infos", "refusal_error", "refuse"]
 
 
 def hello_of(core: Core, peer: Peer | None, *, reply: bool) -> wire.HelloMessage:
@@ -45,7 +47,7 @@ def hello_of(core: Core, peer: Peer | None, *, reply: bool) -> wire.HelloMessage
         devices=core.devices,
         backends=tuple(wire.BackendInfo(name=n, info=b.hello()) for n, b in core.backends.items()),
         is_reply=reply,
-        to_endpoint=peer.name if peer is not None and peer.configured else "",
+        to_endpoint=peer.name if peer is not None else "",
     )
 
 
@@ -80,16 +82,52 @@ def check_hello(
         live = sum(p.status not in (PeerStatus.LOST, PeerStatus.CLOSED) for p in peers)
         if known is None and live >= core.config.max_peers:
             return "peer_limit", f"this endpoint serves at most {core.config.max_peers} peers"
-        return None
-    old = known.hello
+        known = None  # gone: a new instance may take the name
+    for name, pinfo in peer_infos(core, hello).items():
+        why = core.backends[name].accepts(pinfo)
+        if why is not None:
+            return "bad_hello", f"backend {name}: {why}"
+    old = known.hello if known is not None else None
     if old is None or (old.instance, old.process_token) == (hello.instance, hello.process_token):
         return None
-    if _gone(core, known):
+    if known is not None and _gone(core, known):
         return None
     return "name_in_use", (
         f"a live endpoint {hello.endpoint!r} (pid {old.pid} on {old.hostname or old.host_id}) "
         f"is connected to {core.name!r} under that name"
     )
+
+
+def locality_of(core: Core, hello: wire.HelloMessage) -> Locality:
+    if hello.host_id != core.host_id:
+        return Locality.CROSS_HOST
+    if hello.process_token == hostinfo.process_token():
+        return Locality.SAME_PROCESS
+    return Locality.SAME_HOST
+
+
+def peer_infos(core: Core, hello: wire.HelloMessage) -> dict[str, PeerInfo]:
+    """What each backend both ends run learns of the peer from its Hello."""
+    theirs = {b.name: b.info for b in hello.backends}
+    locality = locality_of(core, hello)
+    kinds = tuple(sorted({d.kind for d in hello.devices} or {"cpu"}))
+    address = parse_address(hello.address)
+    host = address.host.strip("[]") if address.scheme == "tcp" and address.host else "127.0.0.1"
+    return {
+        name: PeerInfo(
+            name=hello.endpoint,
+            instance=hello.instance,
+            pid=hello.pid,
+            host_id=hello.host_id,
+            process_token=hello.process_token,
+            locality=locality,
+            info=theirs[name],
+            devices=kinds,
+            host=host,
+        )
+        for name in core.backends
+        if name in theirs
+    }
 
 
 def _gone(core: Core, peer: Peer) -> bool:

@@ -143,7 +143,7 @@ class Lifecycle:
                         await backend.aclose()
                     except Exception:
                         log.exception("closing backend %s of %s", backend.name, core.name)
-            await anyio.to_thread.run_sync(core.control.close)
+            await core.control.aclose()
             self._receiver.pool.clear()
             core.state = State.CLOSED
             self._closed.set()
@@ -160,6 +160,7 @@ class Lifecycle:
             self._peers.tick(now)
             self._sender.check_deadlines(now)
             self._receiver.deliveries.expire(now)
+            self._core.noisy.flush()
 
 
 def _host_of(address: str) -> str:

@@ -42,9 +42,9 @@ from ..errors import (
     RemoteProtocolError,
 )
 from ..flow import Credits
-from ..routing import INLINE, Candidate, Edge
+from ..routing import INLINE, INLINE_ANY, Candidate, Edge
 from ._core import Core
-from ._handshake import check_hello, hello_of, refusal_error, refuse
+from ._handshake import check_hello, hello_of, locality_of, peer_infos, refusal_error, refuse
 from ._records import InRecord, OutRecord, Peer, PeerStatus
 
 __all__ = ["PeerTable"]
@@ -134,7 +134,7 @@ class PeerTable:
                 peer.auth_failure = "it refused our credentials (authentication key mismatch?)"
                 self.core.counters["auth_failed"] += 1
                 self.core.noisy.warning(
-                    "auth:" + peer.name, "%s: %s %s", self.core.name, peer.name, peer.auth_failure
+                    "auth", "%s: %s %s", self.core.name, peer.name, peer.auth_failure
                 )
                 peer.notify()
 
@@ -176,7 +176,7 @@ class PeerTable:
             raise RemoteProtocolError(f"unexpected Refusal from {msg.from_stage!r} ({msg.code})")
         core.counters["refusals_received"] += 1
         peer.refusal = refusal_error(core, peer, msg)
-        core.noisy.warning("refused:" + peer.name, "%s: %s", core.name, peer.refusal)
+        core.noisy.warning("refused", "%s: %s", core.name, peer.refusal)
         peer.notify()
 
     def on_goodbye(self, peer: Peer, msg: wire.GoodbyeMessage) -> None:
@@ -187,37 +187,15 @@ class PeerTable:
     async def _complete(self, peer: Peer, hello: wire.HelloMessage, generation: int) -> None:
         """Connect the backends both ends run; then the peer may become READY."""
         core = self.core
-        if hello.host_id != core.host_id:
-            locality = Locality.CROSS_HOST
-        elif hello.process_token == hostinfo.process_token():
-            locality = Locality.SAME_PROCESS
-        else:
-            locality = Locality.SAME_HOST
-        theirs = {b.name: b.info for b in hello.backends}
-        kinds = tuple(sorted({d.kind for d in hello.devices} or {"cpu"}))
-        address = parse_address(hello.address)
-        host = address.host if address.scheme == "tcp" and address.host else "127.0.0.1"
         info: dict[str, PeerInfo] = {}
-        for name, backend in core.backends.items():
-            if name not in theirs:
-                continue
-            pinfo = PeerInfo(
-                name=hello.endpoint,
-                instance=hello.instance,
-                pid=hello.pid,
-                host_id=hello.host_id,
-                process_token=hello.process_token,
-                locality=locality,
-                info=theirs[name],
-                devices=kinds,
-                host=host.strip("[]"),
-            )
+        for name, pinfo in peer_infos(core, hello).items():
+            backend = core.backends[name]
             try:
                 await backend.connect(pinfo)
             except (OmniwireError, OSError, ValueError) as exc:
                 core.counters["backend_refused"] += 1
                 core.noisy.warning(
-                    "connect:" + name,
+                    "connect",
                     "%s: backend %s cannot serve %s: %s",
                     core.name,
                     name,
@@ -231,18 +209,18 @@ class PeerTable:
                 await core.backends[name].disconnect(pinfo)
             return
         peer.info = info
-        local_kinds = frozenset(d.kind for d in core.devices)
+        locality = locality_of(core, hello)
         peer.edge = Edge(
             src=core.name,
             dst=peer.name,
             locality=locality,
-            src_devices=local_kinds,
-            dst_devices=frozenset(kinds),
+            src_devices=frozenset(d.kind for d in core.devices),
+            dst_devices=frozenset(d.kind for d in hello.devices) or frozenset({"cpu"}),
             gpu_peer_access=locality is not Locality.CROSS_HOST
             and hostinfo.gpu_peer_access(core.devices, hello.devices),
         )
         peer.candidates = (
-            INLINE,
+            INLINE_ANY if peer.session.version >= (1, 1) else INLINE,
             *(
                 Candidate(n, type(core.backends[n]).capabilities, type(core.backends[n]).summary)
                 for n in info
@@ -353,9 +331,7 @@ class PeerTable:
             log.info("%s: peer %s %s", core.name, peer.name, reason)
         elif was_ready or out or inn:
             core.counters["peers_lost"] += 1
-            core.noisy.warning(
-                "lost:" + peer.name, "%s: peer %s lost: %s", core.name, peer.name, reason
-            )
+            core.noisy.warning("lost", "%s: peer %s lost: %s", core.name, peer.name, reason)
         error = cls(
             f"peer {peer.name!r} {'closed' if status is PeerStatus.CLOSED else 'was lost'}: {reason}"
         )
@@ -426,19 +402,24 @@ class PeerTable:
                 )
 
     def goodbye(self, reason: str) -> None:
-        """Say Goodbye to every peer that can read it (closing)."""
-        for peer in self.ready():
-            if peer.session.version >= (1, 1):
-                msg = wire.GoodbyeMessage(
-                    from_stage=self.core.name, instance=self.core.instance, reason=reason
-                )
+        """Say Goodbye to every peer whose Hello we accepted and that can read it."""
+        msg = wire.GoodbyeMessage(
+            from_stage=self.core.name, instance=self.core.instance, reason=reason
+        )
+        for peer in self.all():
+            live = peer.status not in (PeerStatus.LOST, PeerStatus.CLOSED)
+            if (
+                live
+                and peer.hello is not None
+                and peer.push_open
+                and peer.session.version >= (1, 1)
+            ):
                 self.core.outbox.post(peer, msg)
 
     def close(self) -> None:
-        """Release every peer's sockets (the endpoint is closing)."""
+        """Wake every waiter (the endpoint is closing; the control plane closes the
+        sockets, giving queued frames — the Goodbyes — their linger to leave)."""
         for peer in self.all():
-            if peer.push_open:
-                self._disconnect(peer)
             peer.notify()
 
     def connected_backend(self, peer: Peer, name: str) -> PeerInfo:

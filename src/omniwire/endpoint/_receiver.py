@@ -267,7 +267,7 @@ class Receiver:
         if failure is not None:
             self.core.counters["receive_errors"] += 1
             self.core.noisy.warning(
-                "take:" + peer.name,
+                "take",
                 "%s: cannot take object %d from %s: %s",
                 self.core.name,
                 ref.object_id,

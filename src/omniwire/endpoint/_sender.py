@@ -419,7 +419,7 @@ class Sender:
                 f"{peer.name!r} could not take object {record.object_id} of request "
                 f"{record.request_id!r} ({msg.reason or 'internal'}): {msg.error or ''}"
             )
-            self.core.noisy.warning("nack:" + peer.name, "%s: %s", self.core.name, error)
+            self.core.noisy.warning("nack", "%s: %s", self.core.name, error)
         record.release(error)
 
     def on_abort(self, request_id: str, error: RequestAbortedError) -> None:
