@@ -187,7 +187,9 @@ async def test_spans_link_the_receiver_to_the_sender_across_two_processes() -> N
         ) as near:
             await near.wait_peer("far", 20)
             with anyio.fail_after(30), tracer.start_as_current_span("request"):
-                receipt = await near.send("far", {"h": torch.ones(1024)}, request_id="r1")
+                receipt = await near.send(
+                    "far", {"h": torch.ones(8192)}, request_id="r1"
+                )  # over shm
                 await near.stream("far", torch.ones(4), request_id="r1")
                 await near.end_stream("far", request_id="r1")
                 await receipt.wait()
