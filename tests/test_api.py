@@ -75,7 +75,7 @@ async def test_send_receipt_repr_tells_its_story() -> None:
     assert "PeerLostError: peer 'far' was lost: it died>" in repr(failed)
     inline = SendReceipt.completed("far", "r3", "inline", 64)
     assert repr(inline).endswith("via inline 64 B handed off (no ACK needed)>")
-    seen = []
+    seen: list[SendReceipt] = []
     inline.add_done_callback(seen.append)  # done already: called at once
     assert seen == [inline]
 

@@ -95,7 +95,7 @@ async def test_fan_out_packs_once_and_the_last_ack_releases_the_shared_buffer() 
 
 async def test_each_target_has_its_own_route_and_receipt_and_local_its_own_containers() -> None:
     async with star(("b", "c", "near"), {"b": "shm", "c": "shm"}) as (src, (b, c, near)):
-        payload = {"t": torch.arange(8.0), "ids": [1, 2]}
+        payload: dict[str, Any] = {"t": torch.arange(8.0), "ids": [1, 2]}
         receipts = await src.send(["b", "near", "c"], payload, request_id="r")
         assert [(r.peer, r.backend) for r in receipts] == [
             ("b", "shm"),
