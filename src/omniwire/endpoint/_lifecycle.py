@@ -137,6 +137,7 @@ class Lifecycle:
             core.state = State.CLOSING
             self._peers.close()
             await core.supervisor.aclose(timeout=2.0)
+            core.outbox.close()
             for backend in core.backends.values():
                 with anyio.move_on_after(_CLOSE_BUDGET):
                     try:

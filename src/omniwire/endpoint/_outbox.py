@@ -77,11 +77,14 @@ class Outbox:
         self._scheduled = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._emptied = anyio.Event()  # set when nothing waits any more
+        self._closed = False
 
     # -- the API ---------------------------------------------------------------------
 
     def post(self, peer: Peer, msg: wire.Message) -> None:
         """Queue ``msg`` to ``peer``; it leaves after everything posted before it."""
+        if self._closed:
+            return
         queue = self._queues.get(peer.name)
         if queue is None:
             queue = self._queues[peer.name] = _Queue(peer)
@@ -117,6 +120,13 @@ class Outbox:
                 await queue.room.wait()
         if queue.error is not None:
             raise queue.error
+
+    def close(self) -> None:
+        """The endpoint closes: what was not sent by now is dropped; nothing new is queued."""
+        self._closed = True
+        self._queues.clear()
+        self._dirty.clear()
+        self._emptied.set()
 
     def refuse(self, address: str, msg: wire.RefusalMessage) -> bool:
         """Best effort: a Refusal to an address that is no peer of ours (rate-limited)."""

@@ -242,6 +242,7 @@ class Receiver:
         zero_copy = self.core.config.zero_copy
         budget = 0 if zero_copy else ref.ref.length
         value: Any = None
+        taken = False  # fetched: the budget share is held
         failure: tuple[wire.NackReason, str] | None = None
         with anyio.CancelScope() as scope:
             peer.current_take = (msg.request_id, scope)
@@ -249,6 +250,7 @@ class Receiver:
                 await self.budget.acquire(budget)
                 try:
                     value = await self._fetch(peer, backend, info, record)
+                    taken = True
                 except BaseException:
                     self.budget.release(budget)
                     raise
@@ -258,10 +260,11 @@ class Receiver:
                 failure = ("backend_error", f"{type(exc).__name__}: {exc}")
             finally:
                 peer.current_take = None
-        if scope.cancelled_caught:  # aborted, the peer is gone, or we are closing
-            reason: wire.NackReason = "aborted"
-            if not self.core.aborts.is_aborted(msg.request_id):
-                reason = "receiver_closed"
+        aborted = self.core.aborts.is_aborted(msg.request_id)
+        if scope.cancel_called or aborted:  # aborted, the peer is gone, or we are closing
+            if taken:
+                self.budget.release(budget)  # taken, but it will not be delivered
+            reason: wire.NackReason = "aborted" if aborted else "receiver_closed"
             self.finish(peer, record, reason, reason.replace("_", " "))
             return
         if failure is not None:

@@ -33,24 +33,30 @@ class Supervisor:
         self._tg: TaskGroup | None = None
         self._task: asyncio.Task[None] | None = None
         self._stop = anyio.Event()
+        self._running = False  # inside the task group: new tasks may start
 
     async def start(self) -> None:
         started = anyio.Event()
 
         async def main() -> None:
-            async with anyio.create_task_group() as tg:
-                self._tg = tg
-                started.set()
-                await self._stop.wait()
-                tg.cancel_scope.cancel()
+            try:
+                async with anyio.create_task_group() as tg:
+                    self._tg = tg
+                    self._running = True
+                    started.set()
+                    await self._stop.wait()
+                    self._running = False
+                    tg.cancel_scope.cancel()
+            finally:
+                self._running = False
 
         self._task = asyncio.get_running_loop().create_task(main(), name=f"omniwire:{self.owner}")
         await started.wait()
 
     def spawn(self, fn: Callable[..., Awaitable[Any]], *args: Any) -> None:
         """Run ``fn(*args)`` in the background until it returns or the endpoint closes."""
-        if self._tg is None or self._stop.is_set():
-            return
+        if self._tg is None or not self._running or self._stop.is_set():
+            return  # closing: nothing new starts
 
         async def guarded() -> None:
             try:
@@ -59,7 +65,11 @@ class Supervisor:
                 self.counters["internal_errors"] += 1
                 log.exception("%s: background task %s failed", self.owner, fn.__name__)
 
-        self._tg.start_soon(guarded, name=getattr(fn, "__name__", "task"))
+        coro = guarded()
+        try:  # the group may be shutting down (the loop itself is closing): then drop it
+            self._tg.start_soon(lambda: coro, name=getattr(fn, "__name__", "task"))
+        except RuntimeError:
+            coro.close()
 
     async def aclose(self, timeout: float) -> None:
         """Cancel every task and wait for them, at most ``timeout`` seconds (shielded)."""
@@ -69,6 +79,7 @@ class Supervisor:
             return
         with anyio.CancelScope(shield=True):
             await asyncio.wait({task}, timeout=timeout)
-        if not task.done():
-            task.cancel()
-            log.warning("%s: background tasks did not stop within %g s", self.owner, timeout)
+            if not task.done():  # a task ignored its cancellation: cancel harder, still bounded
+                log.warning("%s: background tasks did not stop within %g s", self.owner, timeout)
+                task.cancel()
+                await asyncio.wait({task}, timeout=timeout)
