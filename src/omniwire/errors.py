@@ -32,6 +32,7 @@ __all__ = [
     "RemoteProtocolError",
     "RequestAbortedError",
     "ShmFullError",
+    "TransferTimeoutError",
     "UnknownNameError",
     "UnsupportedVersionError",
     "WireFormatError",
@@ -95,6 +96,10 @@ class BackendClosedError(BackendError):
 
 class ShmFullError(BackendError, MemoryError):
     """``/dev/shm`` has no room for a segment of the size needed."""
+
+
+class TransferTimeoutError(BackendError, TimeoutError):
+    """An engine transfer did not complete in time (it may still land later)."""
 
 
 class NoRouteError(OmniwireError):
