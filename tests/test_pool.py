@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
@@ -162,7 +163,7 @@ def test_slots_never_overlap(ops: list[tuple[str, int]]) -> None:
         elif live:
             live.pop(n % len(live)).release()
         spans = sorted((x.offset, x.offset + x.size) for x in live)
-        assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:], strict=False))
+        assert all(a[1] <= b[0] for a, b in itertools.pairwise(spans))
         assert all(x.size >= x.nbytes for x in live)
     for x in live:
         x.release()
@@ -172,7 +173,7 @@ def test_slots_never_overlap(ops: list[tuple[str, int]]) -> None:
 def test_poll_until_times_out_cancels_and_propagates() -> None:
     calls = iter(range(100))
     poll_until(lambda: next(calls) >= 3, timeout=5, what="x")
-    with pytest.raises(TransferTimeoutError, match="read 1 did not finish within 0.05 s"):
+    with pytest.raises(TransferTimeoutError, match=r"read 1 did not finish within 0\.05 s"):
         poll_until(lambda: False, timeout=0.05, what="read 1")
     with pytest.raises(BackendError, match="cancelled"):
         poll_until(lambda: False, timeout=5, what="read 2", cancelled=lambda: True)

@@ -372,7 +372,7 @@ class ShmBackend(ByteBackend):
                     self._arena_error = str(exc)
                     log.warning("shm arena not created: %s; using per-object segments", exc)
                     return
-                if self._closed:
+                if self.pool.closed:  # closed meanwhile
                     self._drop_segment(arena)
                     return
                 self.pool.attach(arena.size)
