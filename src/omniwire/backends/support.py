@@ -14,7 +14,8 @@ import queue
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 import anyio
@@ -22,13 +23,17 @@ import msgspec
 import torch
 
 from ..errors import BackendError, TransferTimeoutError
+from ..wire import align_up
 
 __all__ = [
     "HostMemory",
+    "LentPiece",
     "RegistrationCache",
     "Releaser",
+    "byte_view",
     "check_range",
     "decode_blob",
+    "lent_pieces",
     "mib",
     "poll_until",
     "storage_span",
@@ -73,6 +78,51 @@ def storage_span(t: torch.Tensor) -> tuple[int, int]:
     """``(address, nbytes)`` of the storage under ``t`` (what a registration covers)."""
     s = t.untyped_storage()
     return s.data_ptr(), s.nbytes()
+
+
+def byte_view(t: torch.Tensor) -> torch.Tensor:
+    """A 1-D uint8 tensor over the bytes of contiguous ``t`` (the same memory)."""
+    nbytes = t.numel() * t.element_size()
+    base = torch.empty(0, dtype=torch.uint8, device=t.device)
+    return base.set_(t.untyped_storage(), t.storage_offset() * t.element_size(), (nbytes,), (1,))
+
+
+@dataclass(frozen=True)
+class LentPiece:
+    """One lent tensor as a piece of the object's packed image (spec §5): its bytes
+    belong at ``[at, at + nbytes)``."""
+
+    at: int
+    tensor: torch.Tensor  # the caller's tensor (kept alive by the export)
+    data: torch.Tensor  # a uint8 view of its bytes
+
+    @property
+    def addr(self) -> int:
+        return self.data.data_ptr()
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel()
+
+
+def lent_pieces(
+    tensors: Sequence[torch.Tensor], devices: frozenset[str] = frozenset({"cpu"})
+) -> tuple[list[LentPiece], int] | None:
+    """The caller's tensors as the pieces of the packed image they would be packed
+    into (empty tensors left out) and the image's length; or None when one cannot be
+    read in place (not contiguous, or on a device kind not in ``devices``) or there
+    are no bytes."""
+    pieces = []
+    end = 0
+    for t in tensors:
+        if t.device.type not in devices or not t.is_contiguous():
+            return None
+        at = align_up(end)
+        nbytes = t.numel() * t.element_size()
+        end = at + nbytes
+        if nbytes:
+            pieces.append(LentPiece(at, t, byte_view(t)))
+    return (pieces, end) if pieces else None
 
 
 class HostMemory:
