@@ -141,9 +141,73 @@ def _serve_mooncake(size: int, host: str, protocol: str) -> None:
     os._exit(0)  # stopping the engine would take a second; the OS reclaims it all
 
 
+# -- nixl -----------------------------------------------------------------------------------
+
+
+def nixl(sizes: Sequence[int], iters: int) -> dict[int, float]:
+    """GB/s of bare NIXL READs from a registered buffer of another process.
+
+    Raises:
+        BackendError: NIXL failed or the bytes arrived corrupted.
+        RuntimeError: the other process failed.
+    """
+    from .backends.nixl._engine import NixlAgent, agent_name, load_checked, read
+    from .backends.nixl._memory import Memory
+    from .errors import BackendError
+
+    if not sizes:
+        return {}
+    biggest = max(sizes)
+    child = _Child("serve-nixl", "--size", str(biggest))
+    results: dict[int, float] = {}
+    try:
+        target = json.loads(child.line())
+        agent = NixlAgent(agent_name("raw-initiator"))
+        memory = Memory(agent, biggest, "DRAM", 0, partial=False)
+        try:
+            peer = str(target["agent"])
+            load_checked(agent, bytes.fromhex(target["metadata"]), peer, "raw bench target")
+            remote = int(target["addr"])
+            expected = pattern(biggest)
+            for size in sizes:
+
+                def once(size: int = size) -> None:
+                    reads = [(memory.region.addr, remote, size)]
+                    read(agent, reads, (0, "DRAM"), peer, (0, "DRAM"), 60 + size / 50e6, "raw")
+
+                results[size] = _median_gbps(size, iters, once)
+                if not torch.equal(memory.tensor[:size], expected[:size]):
+                    raise BackendError(f"nixl raw bench: {size} bytes arrived corrupted")
+                memory.tensor[:size].zero_()
+            agent.unload(peer)
+        finally:
+            memory.release()
+            agent.close()
+    finally:
+        child.finish()
+    return results
+
+
+def _serve_nixl(size: int) -> None:
+    from .backends.nixl._engine import NixlAgent, agent_name
+    from .backends.nixl._memory import Memory
+
+    agent = NixlAgent(agent_name("raw-target"))
+    memory = Memory(agent, size, "DRAM", 0, partial=False)
+    memory.tensor[:size].copy_(pattern(size))
+    line = {"agent": agent.name, "metadata": agent.metadata().hex(), "addr": memory.region.addr}
+    print(json.dumps(line), flush=True)
+    sys.stdin.read()
+    memory.release()
+    agent.close()
+
+
 # -- the command line -------------------------------------------------------------------------
 
-ENGINES: dict[str, Callable[[Sequence[int], int], dict[int, float]]] = {"mooncake": mooncake}
+ENGINES: dict[str, Callable[[Sequence[int], int], dict[int, float]]] = {
+    "mooncake": mooncake,
+    "nixl": nixl,
+}
 
 
 def _parse_size(text: str) -> int:
@@ -165,9 +229,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     serve.add_argument("--size", type=int, required=True)
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--protocol", default="tcp")
+    serve_nixl = sub.add_parser("serve-nixl", help=argparse.SUPPRESS)
+    serve_nixl.add_argument("--size", type=int, required=True)
     args = p.parse_args(argv)
     if args.command == "serve-mooncake":
         _serve_mooncake(args.size, args.host, args.protocol)
+        return 0
+    if args.command == "serve-nixl":
+        _serve_nixl(args.size)
         return 0
     sizes = [_parse_size(s) for s in args.sizes.split(",") if s]
     figures = ENGINES[args.engine](sizes, args.iters)
