@@ -202,11 +202,80 @@ def _serve_nixl(size: int) -> None:
     agent.close()
 
 
+# -- gloo (nccl's CPU engine) ------------------------------------------------------------------
+
+
+def gloo(sizes: Sequence[int], iters: int) -> dict[int, float]:
+    """GB/s of bare gloo ``send``/``recv`` between two processes on 127.0.0.1: for each
+    transfer, from the send to the receiver's 1-byte "received" (the receiver posts
+    its receive before the timed send starts, as the backend's receiver does).
+
+    Raises:
+        BackendError: the bytes arrived corrupted.
+        RuntimeError: the other process failed.
+    """
+    from .backends.nccl._engine import TorchDistributed
+    from .errors import BackendError
+
+    if not sizes:
+        return {}
+    dist = TorchDistributed()
+    store, port = dist.host_store("127.0.0.1", 60.0)
+    child = _Child(
+        "gloo-peer",
+        "--port",
+        str(port),
+        "--iters",
+        str(iters),
+        "--sizes",
+        ",".join(str(s) for s in sizes),
+    )
+    results: dict[int, float] = {}
+    try:
+        pg = dist.gloo_group(dist.prefix_store("raw", store), 0, 60.0, "127.0.0.1")
+        flag = torch.zeros(1, dtype=torch.uint8)
+        for size in sizes:
+            buf = pattern(size)
+            rates = []
+            for i in range(iters + 1):
+                pg.recv([flag], 1, 1).wait()  # the receive is posted
+                t0 = time.perf_counter()
+                pg.send([buf], 1, 2).wait()
+                pg.recv([flag], 1, 3).wait()  # received
+                if i:
+                    rates.append(size / (time.perf_counter() - t0) / 1e9)
+                if int(flag[0]) != 1:
+                    raise BackendError(f"gloo raw bench: {size} bytes arrived corrupted")
+            results[size] = statistics.median(rates)
+    finally:
+        child.finish(60)
+    return results
+
+
+def _gloo_peer(port: int, sizes: Sequence[int], iters: int) -> None:
+    from .backends.nccl._engine import TorchDistributed
+
+    dist = TorchDistributed()
+    store = dist.client_store("127.0.0.1", port, 60.0)
+    pg = dist.gloo_group(dist.prefix_store("raw", store), 1, 60.0, "127.0.0.1")
+    ready = torch.zeros(1, dtype=torch.uint8)
+    for size in sizes:
+        buf = torch.ones(size, dtype=torch.uint8)  # touched: no page faults while timed
+        expected = pattern(size)
+        for _ in range(iters + 1):
+            work = pg.recv([buf], 0, 2)
+            pg.send([ready], 0, 1).wait()
+            work.wait()
+            ok = torch.ones(1, dtype=torch.uint8) if torch.equal(buf, expected) else ready
+            pg.send([ok], 0, 3).wait()
+
+
 # -- the command line -------------------------------------------------------------------------
 
 ENGINES: dict[str, Callable[[Sequence[int], int], dict[int, float]]] = {
     "mooncake": mooncake,
     "nixl": nixl,
+    "nccl": gloo,
 }
 
 
@@ -231,7 +300,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     serve.add_argument("--protocol", default="tcp")
     serve_nixl = sub.add_parser("serve-nixl", help=argparse.SUPPRESS)
     serve_nixl.add_argument("--size", type=int, required=True)
+    peer = sub.add_parser("gloo-peer", help=argparse.SUPPRESS)
+    peer.add_argument("--port", type=int, required=True)
+    peer.add_argument("--iters", type=int, required=True)
+    peer.add_argument("--sizes", required=True)
     args = p.parse_args(argv)
+    if args.command == "gloo-peer":
+        _gloo_peer(args.port, [int(x) for x in args.sizes.split(",")], args.iters)
+        return 0
     if args.command == "serve-mooncake":
         _serve_mooncake(args.size, args.host, args.protocol)
         return 0
