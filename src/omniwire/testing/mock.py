@@ -303,6 +303,8 @@ class MockBackend(ByteBackend):
             BackendClosedError: closed. BackendError: malformed, unknown, not for us,
             or a hook failed it.
         """
+        if self._closed:
+            raise BackendClosedError("mock backend is closed")
         r = decode_blob(_ref_decoder, ref, f"mock reference from {peer.name!r}")
         await self._hit("import", peer, r.key, nbytes)
         if peer.key not in self._peers:
