@@ -7,7 +7,9 @@ It runs one :class:`~omniwire.Endpoint` and answers every delivery:
   error or abort is answered with an ``error`` stream end naming it;
 - ``sink``: takes everything, answers nothing (``--delay`` seconds per delivery
   makes it a slow consumer);
-- ``bench``: answers (as ``echo``) only deliveries whose metadata has ``"echo": True``.
+- ``bench``: answers (as ``echo``) only deliveries whose metadata has ``"echo": True``;
+  keeps deliveries whose metadata has ``"hold": True`` unreleased (a zero-copy
+  consumer that holds on to an object) until one with ``"drop_held": True`` comes.
 
 In every mode a delivery whose metadata has ``"stats": True`` is answered at once
 with ``{"stats": {backend: [exports, imports]}}`` (metadata ``{"stats": True}``):
@@ -116,7 +118,16 @@ async def run(args: argparse.Namespace) -> int:
                         return
 
                 tg.start_soon(stop_on_signal)
+                held = []
                 async for d in ep:
+                    meta = d.metadata if isinstance(d.metadata, dict) else {}
+                    if args.mode == "bench" and meta.get("hold"):
+                        held.append(d)
+                        continue
+                    if meta.get("drop_held"):
+                        for h in held:
+                            h.release()
+                        held.clear()
                     async with d:
                         if isinstance(d.metadata, dict) and d.metadata.get("stats"):
                             await _answer_stats(ep, d)

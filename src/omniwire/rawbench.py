@@ -244,6 +244,7 @@ def gloo(sizes: Sequence[int], iters: int) -> dict[int, float]:
                 pg.recv([flag], 1, 3).wait()  # received
                 if i:
                     rates.append(size / (time.perf_counter() - t0) / 1e9)
+                pg.recv([flag], 1, 4).wait()  # checked, outside the timed part
                 if int(flag[0]) != 1:
                     raise BackendError(f"gloo raw bench: {size} bytes arrived corrupted")
             results[size] = statistics.median(rates)
@@ -266,8 +267,9 @@ def _gloo_peer(port: int, sizes: Sequence[int], iters: int) -> None:
             work = pg.recv([buf], 0, 2)
             pg.send([ready], 0, 1).wait()
             work.wait()
+            pg.send([ready], 0, 3).wait()
             ok = torch.ones(1, dtype=torch.uint8) if torch.equal(buf, expected) else ready
-            pg.send([ok], 0, 3).wait()
+            pg.send([ok], 0, 4).wait()
 
 
 # -- the command line -------------------------------------------------------------------------
