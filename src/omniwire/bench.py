@@ -17,9 +17,10 @@ packing copy).
 Baselines measured in the same run: the machine's memcpy bandwidth (numpy, warm
 pages, single thread), a raw ``zmq.asyncio`` round trip between two processes,
 and, for each cross-host engine, the bare engine doing the same operation between
-two processes (:mod:`omniwire.rawbench`), measured right before and right after
-that engine's rows (their mean: the machine drifts); each engine row carries its
-one-way GB/s as a ratio to that figure (``vs_raw``). With shm, the *obstructed* case is
+two processes (:mod:`omniwire.rawbench`): its transfers are interleaved one by one
+with the row's one-way transfers (a shared machine drifts within minutes), and the
+row carries its one-way GB/s as a ratio to the bare engine's (``vs_raw``; both
+figures are in ``--json``). With shm, the *obstructed* case is
 measured too: a large object sent while a zero-copy consumer holds a 1 KiB one,
 beside the same object unobstructed. Set ``OMP_NUM_THREADS=1`` (``make bench``
 does).
@@ -94,7 +95,9 @@ class Row:
     stream_gbps: float
     msgs_per_s: float
     memcpy_gbps: float
-    #: one-way GB/s over the bare engine's GB/s at this size (engines only)
+    #: the bare engine's GB/s at this size, its transfers interleaved with this row's
+    raw_gbps: float | None = None
+    #: one-way GB/s over ``raw_gbps`` (engines only)
     vs_raw: float | None = None
 
 
@@ -244,10 +247,23 @@ def _payload(size: int) -> dict[str, torch.Tensor]:
     return {"x": t}
 
 
-async def _oneway(ep: Endpoint, peer: str, payload: Any, n: int, tag: str, lend: bool) -> float:
-    """Median seconds from ``send`` to the peer's ACK, one object at a time."""
+async def _oneway(
+    ep: Endpoint,
+    peer: str,
+    payload: Any,
+    n: int,
+    tag: str,
+    lend: bool,
+    raw: tuple[rawbench.Session, int, list[float]] | None = None,
+) -> float:
+    """Median seconds from ``send`` to the peer's ACK, one object at a time; with
+    ``raw = (session, size, times)``, each preceded by one bare-engine transfer
+    (its seconds appended to ``times``)."""
     times = []
     for i in range(n):
+        if raw is not None:
+            session, size, raw_times = raw
+            raw_times.append(await anyio.to_thread.run_sync(session.once, size))
         start = time.perf_counter()
         r = await ep.send(peer, payload, request_id=f"{tag}{i}", lend=lend)
         await r.wait()
@@ -256,7 +272,12 @@ async def _oneway(ep: Endpoint, peer: str, payload: Any, n: int, tag: str, lend:
 
 
 async def _measure(
-    ep: Endpoint, peer: str, size: int, iters: int, lend: bool = False
+    ep: Endpoint,
+    peer: str,
+    size: int,
+    iters: int,
+    lend: bool = False,
+    raw: tuple[rawbench.Session, int, list[float]] | None = None,
 ) -> tuple[float, float, float, float, float]:
     payload = _payload(size)
     n_rtt = _iters(size, iters)
@@ -273,7 +294,7 @@ async def _measure(
         rtts.append(time.perf_counter() - start)
         d.release()
         await r.wait()
-    oneway = await _oneway(ep, peer, payload, max(5, n_rtt), "one", lend)
+    oneway = await _oneway(ep, peer, payload, max(5, n_rtt), "one", lend, raw)
     n_stream = max(4, n_rtt)
     # warm the receiver's buffer pool for as many objects as may be in flight
     await _stream(ep, peer, payload, n_stream, "warm-stream", lend)
@@ -299,8 +320,13 @@ async def bench_backend(
     iters: int,
     results: Results,
     step: Callable[[str], None],
+    with_raw: bool = True,
 ) -> None:
     zero_copy, lend = mode == "zero-copy", mode == "lent"
+    session: rawbench.Session | None = None
+    if with_raw and backend in rawbench.ENGINES:
+        step(f"raw {backend} (its transfers interleaved with {mode}'s)")
+        session = await anyio.to_thread.run_sync(rawbench.open_session, backend, max(sizes))
     tag = secrets.token_hex(3)
     tcp = backend in CROSS_HOST or backend == "example_tcp"
     base = f"{tempfile.gettempdir()}/omniwire-bench-{os.getuid()}"
@@ -336,21 +362,23 @@ async def bench_backend(
             await ep.wait_peer(peer_name, 60)
             for size in sizes:
                 step(f"{backend} {mode} {_human(size)}")
-                p50, p99, oneway, stream, msgs = await _measure(ep, peer_name, size, iters, lend)
-                results.rows.append(
-                    Row(
-                        backend,
-                        mode,
-                        size,
-                        p50,
-                        p99,
-                        oneway,
-                        stream,
-                        msgs,
-                        results.memcpy_gbps[size],
-                    )
+                raw_times: list[float] = []
+                if session is not None:
+                    await anyio.to_thread.run_sync(session.once, size)  # warm-up
+                raw = (session, size, raw_times) if session is not None else None
+                p50, p99, oneway, stream, msgs = await _measure(
+                    ep, peer_name, size, iters, lend, raw
                 )
+                row = Row(
+                    backend, mode, size, p50, p99, oneway, stream, msgs, results.memcpy_gbps[size]
+                )
+                if raw_times:
+                    row.raw_gbps = size / statistics.median(raw_times) / 1e9
+                    row.vs_raw = row.oneway_gbps / row.raw_gbps
+                results.rows.append(row)
     finally:
+        if session is not None:
+            await anyio.to_thread.run_sync(session.close)
         code = await anyio.to_thread.run_sync(peer.stop)
         if code != 0:
             results.notes.append(f"{backend} {mode}: the peer process exited with {code}")
@@ -447,40 +475,29 @@ async def run(
     raw_engines = [b for b in backends if b in rawbench.ENGINES] if raw else []
     obstructed = obstructed if "shm" in backends else ()
     progress = _Progress(
-        len(sizes) + 1 + 2 * len(raw_engines) + len(plans) * len(sizes) + len(obstructed)
+        len(sizes)
+        + 1
+        + sum(1 for b, _ in plans if b in raw_engines)
+        + len(plans) * len(sizes)
+        + len(obstructed)
     )
     for size in sizes:
         progress.step(f"memcpy {_human(size)}")
         results.memcpy_gbps[size] = memcpy_gbps(size)
     progress.step("raw zmq.asyncio round trip")
     results.zmq_rtt_us = await zmq_rtt_us([64, KiB], max(iters, 200))
-    engine_sizes = [s for s in sizes if s >= MiB] or list(sizes)
-    raw_runs: dict[str, list[dict[int, float]]] = {}
-
-    async def measure_raw(name: str) -> None:
-        progress.step(f"raw {name}")
-        figures = await anyio.to_thread.run_sync(
-            rawbench.ENGINES[name], engine_sizes, max(5, iters // 10)
+    for backend, mode in plans:
+        await bench_backend(
+            backend, mode, sizes, iters, results, progress.step, backend in raw_engines
         )
-        runs = raw_runs.setdefault(name, [])
-        runs.append(figures)
-        # the mean of the runs before and after the engine's rows: the machine drifts
-        results.raw_engine_gbps[name] = {
-            s: statistics.mean(run[s] for run in runs) for s in engine_sizes
-        }
-
-    for i, (backend, mode) in enumerate(plans):
-        if backend in raw_engines and backend not in raw_runs:
-            await measure_raw(backend)
-        await bench_backend(backend, mode, sizes, iters, results, progress.step)
-        if backend in raw_engines and all(b != backend for b, _ in plans[i + 1 :]):
-            await measure_raw(backend)
     if obstructed:
         await bench_obstructed(obstructed, iters, results, progress.step)
-    for r in results.rows:
-        raw_gbps = results.raw_engine_gbps.get(r.backend, {}).get(r.size)
-        if raw_gbps:
-            r.vs_raw = r.oneway_gbps / raw_gbps
+    for name in raw_engines:  # every interleaved bare transfer of an engine, per size
+        figures: dict[int, list[float]] = {}
+        for r in results.rows:
+            if r.backend == name and r.raw_gbps is not None:
+                figures.setdefault(r.size, []).append(r.raw_gbps)
+        results.raw_engine_gbps[name] = {s: statistics.mean(g) for s, g in figures.items()}
     progress.close()
     return results
 

@@ -1,5 +1,5 @@
 """The bare engines, between two processes, doing what their backends do — the
-baselines ``omniwire bench`` prints beside each backend's rows (``vs_raw``).
+baselines ``omniwire bench`` measures beside each backend's rows (``vs_raw``).
 
 - ``mooncake``: one read of ``size`` bytes from a registered buffer of another
   process into a registered local buffer (``batch_transfer_async_read``, status
@@ -9,13 +9,16 @@ baselines ``omniwire bench`` prints beside each backend's rows (``vs_raw``).
 - ``nccl`` (gloo on a CPU): one ``send``/``recv`` of ``size`` bytes, the receive
   posted before the timed send, timed until the receiver says it has the bytes.
 
-Each figure is the median GB/s of ``iters`` transfers after one warm-up; the bytes
-that arrive are checked. The other process is ``python -m omniwire.rawbench``
-(its exit code is checked).
+A :class:`Session` keeps the other process (``python -m omniwire.rawbench``, its
+exit code checked) and the registered buffers, so that ``omniwire bench`` can
+interleave bare transfers with omniwire's, one by one, in the same run (on a
+shared machine, figures measured minutes apart are not comparable). The first
+transfer of each size checks the bytes that arrive.
 """
 
 from __future__ import annotations
 
+import abc
 import argparse
 import json
 import os
@@ -27,7 +30,9 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-__all__ = ["ENGINES", "gloo", "mooncake", "nixl", "pattern"]
+from .errors import BackendError
+
+__all__ = ["ENGINES", "Session", "measure", "open_session", "pattern"]
 
 
 def pattern(n: int) -> torch.Tensor:
@@ -74,57 +79,85 @@ class _Child:
             raise RuntimeError(f"rawbench peer {self.proc.args!r} exited with {code}")
 
 
-def _median_gbps(size: int, iters: int, once: Callable[[], None]) -> float:
-    times = []
-    for i in range(max(1, iters) + 1):
+class Session(abc.ABC):
+    """The bare engine, ready to move up to ``max_size`` bytes from another process.
+
+    Blocking: run :meth:`once` in a worker thread when an event loop is around.
+    """
+
+    def __init__(self, max_size: int) -> None:
+        self.max_size = max_size
+        self._checked: set[int] = set()
+
+    def once(self, size: int) -> float:
+        """Seconds one transfer of ``size`` bytes takes.
+
+        Raises:
+            BackendError: the engine failed, or the bytes arrived corrupted.
+        """
         start = time.perf_counter()
-        once()
-        if i:  # the first one is a warm-up
-            times.append(time.perf_counter() - start)
-    return size / statistics.median(times) / 1e9
+        self._transfer(size)
+        elapsed = time.perf_counter() - start
+        if size not in self._checked:
+            self._checked.add(size)
+            if not self._arrived_intact(size):
+                raise BackendError(f"{type(self).__name__}: {size} bytes arrived corrupted")
+        return elapsed
+
+    @abc.abstractmethod
+    def _transfer(self, size: int) -> None: ...
+
+    @abc.abstractmethod
+    def _arrived_intact(self, size: int) -> bool: ...
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Stop the other process and release the buffers.
+
+        Raises:
+            RuntimeError: the other process failed.
+        """
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 # -- mooncake ------------------------------------------------------------------------------
 
 
-def mooncake(
-    sizes: Sequence[int], iters: int, *, host: str = "127.0.0.1", protocol: str = "tcp"
-) -> dict[int, float]:
-    """GB/s of the bare Mooncake engine reading from another process.
+class _MooncakeSession(Session):
+    def __init__(self, max_size: int, host: str = "127.0.0.1", protocol: str = "tcp") -> None:
+        from .backends.mooncake._engine import read, shared_engine
+        from .backends.mooncake._memory import Registered
 
-    Raises:
-        BackendError: the engine failed or the bytes arrived corrupted.
-        RuntimeError: the other process failed.
-    """
-    from .backends.mooncake._engine import read, shared_engine
-    from .backends.mooncake._memory import Registered
-    from .errors import BackendError
-
-    if not sizes:
-        return {}
-    biggest = max(sizes)
-    child = _Child("serve-mooncake", "--size", str(biggest), "--host", host, "--protocol", protocol)
-    results: dict[int, float] = {}
-    try:
-        _, session, remote = child.line().split()
-        engine = shared_engine(host, protocol, "")
-        local = Registered(engine, biggest)
-        expected = pattern(biggest)
+        super().__init__(max_size)
+        self._read = read
+        self.child = _Child("serve-mooncake", "--size", str(max_size), "--host", host,
+                            "--protocol", protocol)  # fmt: skip
         try:
-            for size in sizes:
+            _, self.session, remote = self.child.line().split()
+            self.remote = int(remote)
+            self.engine = shared_engine(host, protocol, "")
+            self.local = Registered(self.engine, max_size)
+        except BaseException:
+            self.child.finish()
+            raise
 
-                def once(size: int = size) -> None:
-                    read(engine, session, [(local.addr, int(remote), size)], 60 + size / 100e6)
+    def _transfer(self, size: int) -> None:
+        reads = [(self.local.addr, self.remote, size)]
+        self._read(self.engine, self.session, reads, 60 + size / 100e6)
 
-                results[size] = _median_gbps(size, iters, once)
-                if not torch.equal(local.tensor[:size], expected[:size]):
-                    raise BackendError(f"mooncake raw bench: {size} bytes arrived corrupted")
-                local.tensor[:size].zero_()
-        finally:
-            local.release()
-    finally:
-        child.finish()
-    return results
+    def _arrived_intact(self, size: int) -> bool:
+        ok = torch.equal(self.local.tensor[:size], pattern(size))
+        self.local.tensor[:size].zero_()
+        return ok
+
+    def close(self) -> None:
+        self.local.release()
+        self.child.finish()
 
 
 def _serve_mooncake(size: int, host: str, protocol: str) -> None:
@@ -144,48 +177,42 @@ def _serve_mooncake(size: int, host: str, protocol: str) -> None:
 # -- nixl -----------------------------------------------------------------------------------
 
 
-def nixl(sizes: Sequence[int], iters: int) -> dict[int, float]:
-    """GB/s of bare NIXL READs from a registered buffer of another process.
+class _NixlSession(Session):
+    def __init__(self, max_size: int) -> None:
+        from .backends.nixl._engine import NixlAgent, agent_name, load_checked, read
+        from .backends.nixl._memory import Memory
 
-    Raises:
-        BackendError: NIXL failed or the bytes arrived corrupted.
-        RuntimeError: the other process failed.
-    """
-    from .backends.nixl._engine import NixlAgent, agent_name, load_checked, read
-    from .backends.nixl._memory import Memory
-    from .errors import BackendError
-
-    if not sizes:
-        return {}
-    biggest = max(sizes)
-    child = _Child("serve-nixl", "--size", str(biggest))
-    results: dict[int, float] = {}
-    try:
-        target = json.loads(child.line())
-        agent = NixlAgent(agent_name("raw-initiator"))
-        memory = Memory(agent, biggest, "DRAM", 0, partial=False)
+        super().__init__(max_size)
+        self._read = read
+        self.child = _Child("serve-nixl", "--size", str(max_size))
         try:
-            peer = str(target["agent"])
-            load_checked(agent, bytes.fromhex(target["metadata"]), peer, "raw bench target")
-            remote = int(target["addr"])
-            expected = pattern(biggest)
-            for size in sizes:
+            target = json.loads(self.child.line())
+            self.agent = NixlAgent(agent_name("raw-initiator"))
+            self.memory = Memory(self.agent, max_size, "DRAM", 0, partial=False)
+            self.peer = str(target["agent"])
+            load_checked(self.agent, bytes.fromhex(target["metadata"]), self.peer, "raw target")
+            self.remote = int(target["addr"])
+        except BaseException:
+            self.child.finish()
+            raise
 
-                def once(size: int = size) -> None:
-                    reads = [(memory.region.addr, remote, size)]
-                    read(agent, reads, (0, "DRAM"), peer, (0, "DRAM"), 60 + size / 50e6, "raw")
+    def _transfer(self, size: int) -> None:
+        reads = [(self.memory.region.addr, self.remote, size)]
+        local = remote = (0, "DRAM")
+        self._read(self.agent, reads, local, self.peer, remote, 60 + size / 50e6, "raw")
 
-                results[size] = _median_gbps(size, iters, once)
-                if not torch.equal(memory.tensor[:size], expected[:size]):
-                    raise BackendError(f"nixl raw bench: {size} bytes arrived corrupted")
-                memory.tensor[:size].zero_()
-            agent.unload(peer)
+    def _arrived_intact(self, size: int) -> bool:
+        ok = torch.equal(self.memory.tensor[:size], pattern(size))
+        self.memory.tensor[:size].zero_()
+        return ok
+
+    def close(self) -> None:
+        try:
+            self.agent.unload(self.peer)
+            self.memory.release()
+            self.agent.close()
         finally:
-            memory.release()
-            agent.close()
-    finally:
-        child.finish()
-    return results
+            self.child.finish()
 
 
 def _serve_nixl(size: int) -> None:
@@ -204,81 +231,116 @@ def _serve_nixl(size: int) -> None:
 
 # -- gloo (nccl's CPU engine) ------------------------------------------------------------------
 
-
-def gloo(sizes: Sequence[int], iters: int) -> dict[int, float]:
-    """GB/s of bare gloo ``send``/``recv`` between two processes on 127.0.0.1: for each
-    transfer, from the send to the receiver's 1-byte "received" (the receiver posts
-    its receive before the timed send starts, as the backend's receiver does).
-
-    Raises:
-        BackendError: the bytes arrived corrupted.
-        RuntimeError: the other process failed.
-    """
-    from .backends.nccl._engine import TorchDistributed
-    from .errors import BackendError
-
-    if not sizes:
-        return {}
-    dist = TorchDistributed()
-    store, port = dist.host_store("127.0.0.1", 60.0)
-    child = _Child(
-        "gloo-peer",
-        "--port",
-        str(port),
-        "--iters",
-        str(iters),
-        "--sizes",
-        ",".join(str(s) for s in sizes),
-    )
-    results: dict[int, float] = {}
-    try:
-        pg = dist.gloo_group(dist.prefix_store("raw", store), 0, 60.0, "127.0.0.1")
-        flag = torch.zeros(1, dtype=torch.uint8)
-        for size in sizes:
-            buf = pattern(size)
-            rates = []
-            for i in range(iters + 1):
-                pg.recv([flag], 1, 1).wait()  # the receive is posted
-                t0 = time.perf_counter()
-                pg.send([buf], 1, 2).wait()
-                pg.recv([flag], 1, 3).wait()  # received
-                if i:
-                    rates.append(size / (time.perf_counter() - t0) / 1e9)
-                pg.recv([flag], 1, 4).wait()  # checked, outside the timed part
-                if int(flag[0]) != 1:
-                    raise BackendError(f"gloo raw bench: {size} bytes arrived corrupted")
-            results[size] = statistics.median(rates)
-    finally:
-        child.finish(60)
-    return results
+# Tags of the gloo protocol between the session (rank 0) and its peer (rank 1).
+_SIZE, _POSTED, _DATA, _RECEIVED, _CHECKED = 5, 1, 2, 3, 4
 
 
-def _gloo_peer(port: int, sizes: Sequence[int], iters: int) -> None:
+class _GlooSession(Session):
+    """Rank 0 sends; the peer (rank 1) posts its receive, says so, receives, says so,
+    then (outside the timed part) says whether the bytes were right."""
+
+    def __init__(self, max_size: int) -> None:
+        from .backends.nccl._engine import TorchDistributed
+
+        super().__init__(max_size)
+        dist = TorchDistributed()
+        store, port = dist.host_store("127.0.0.1", 60.0)
+        self.child = _Child("gloo-peer", "--port", str(port))
+        try:
+            self.pg = dist.gloo_group(dist.prefix_store("raw", store), 0, 60.0, "127.0.0.1")
+        except BaseException:
+            self.child.finish()
+            raise
+        self.store = store
+        self.data = pattern(max_size)
+        self.flag = torch.zeros(1, dtype=torch.uint8)
+        self.ok = True
+
+    def _transfer(self, size: int) -> None:
+        pg = self.pg
+        pg.send([torch.tensor([size], dtype=torch.int64)], 1, _SIZE).wait()
+        pg.recv([self.flag], 1, _POSTED).wait()
+        start = time.perf_counter()
+        pg.send([self.data[:size]], 1, _DATA).wait()
+        pg.recv([self.flag], 1, _RECEIVED).wait()
+        self._elapsed = time.perf_counter() - start
+        pg.recv([self.flag], 1, _CHECKED).wait()
+        self.ok = int(self.flag[0]) == 1
+
+    def once(self, size: int) -> float:
+        super().once(size)
+        return self._elapsed  # from the send, once the receive was posted
+
+    def _arrived_intact(self, size: int) -> bool:
+        return self.ok
+
+    def close(self) -> None:
+        try:
+            self.pg.send([torch.tensor([0], dtype=torch.int64)], 1, _SIZE).wait()
+        finally:
+            self.child.finish(60)
+
+
+def _gloo_peer(port: int) -> None:
     from .backends.nccl._engine import TorchDistributed
 
     dist = TorchDistributed()
     store = dist.client_store("127.0.0.1", port, 60.0)
     pg = dist.gloo_group(dist.prefix_store("raw", store), 1, 60.0, "127.0.0.1")
-    ready = torch.zeros(1, dtype=torch.uint8)
-    for size in sizes:
-        buf = torch.ones(size, dtype=torch.uint8)  # touched: no page faults while timed
-        expected = pattern(size)
-        for _ in range(iters + 1):
-            work = pg.recv([buf], 0, 2)
-            pg.send([ready], 0, 1).wait()
-            work.wait()
-            pg.send([ready], 0, 3).wait()
-            ok = torch.ones(1, dtype=torch.uint8) if torch.equal(buf, expected) else ready
-            pg.send([ok], 0, 4).wait()
+    flag = torch.ones(1, dtype=torch.uint8)
+    header = torch.zeros(1, dtype=torch.int64)
+    buffers: dict[int, torch.Tensor] = {}
+    while True:
+        pg.recv([header], 0, _SIZE).wait()
+        size = int(header[0])
+        if size == 0:
+            return
+        buf = buffers.get(size)
+        if buf is None:  # touched: no page faults while timed
+            buf = buffers[size] = torch.zeros(size, dtype=torch.uint8)
+        work = pg.recv([buf], 0, _DATA)
+        pg.send([flag], 0, _POSTED).wait()
+        work.wait()
+        pg.send([flag], 0, _RECEIVED).wait()
+        ok = torch.equal(buf, pattern(size))
+        pg.send([torch.tensor([int(ok)], dtype=torch.uint8)], 0, _CHECKED).wait()
 
 
-# -- the command line -------------------------------------------------------------------------
+# -- entry points ------------------------------------------------------------------------------
 
-ENGINES: dict[str, Callable[[Sequence[int], int], dict[int, float]]] = {
-    "mooncake": mooncake,
-    "nixl": nixl,
-    "nccl": gloo,
+ENGINES: dict[str, Callable[[int], Session]] = {
+    "mooncake": _MooncakeSession,
+    "nixl": _NixlSession,
+    "nccl": _GlooSession,
 }
+
+
+def open_session(engine: str, max_size: int) -> Session:
+    """A session of the bare engine behind backend ``engine`` (blocking).
+
+    Raises:
+        KeyError: no raw engine for that backend.
+        BackendError, RuntimeError: the engine or the other process failed.
+    """
+    return ENGINES[engine](max_size)
+
+
+def measure(engine: str, sizes: Sequence[int], iters: int) -> dict[int, float]:
+    """GB/s of the bare engine per size: the median of ``iters`` transfers after one
+    warm-up (blocking).
+
+    Raises:
+        BackendError, RuntimeError: as :func:`open_session`.
+    """
+    if not sizes:
+        return {}
+    results = {}
+    with open_session(engine, max(sizes)) as session:
+        for size in sizes:
+            session.once(size)
+            times = [session.once(size) for _ in range(max(1, iters))]
+            results[size] = size / statistics.median(times) / 1e9
+    return results
 
 
 def _parse_size(text: str) -> int:
@@ -292,7 +354,7 @@ def _parse_size(text: str) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m omniwire.rawbench", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
-    run = sub.add_parser("run", help="measure one bare engine")
+    run = sub.add_parser("run", help="measure one bare engine; prints JSON {size: GB/s}")
     run.add_argument("engine", choices=sorted(ENGINES))
     run.add_argument("--sizes", default="1M,64M")
     run.add_argument("--iters", type=int, default=10)
@@ -304,21 +366,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     serve_nixl.add_argument("--size", type=int, required=True)
     peer = sub.add_parser("gloo-peer", help=argparse.SUPPRESS)
     peer.add_argument("--port", type=int, required=True)
-    peer.add_argument("--iters", type=int, required=True)
-    peer.add_argument("--sizes", required=True)
     args = p.parse_args(argv)
-    if args.command == "gloo-peer":
-        _gloo_peer(args.port, [int(x) for x in args.sizes.split(",")], args.iters)
-        return 0
     if args.command == "serve-mooncake":
         _serve_mooncake(args.size, args.host, args.protocol)
-        return 0
-    if args.command == "serve-nixl":
+    elif args.command == "serve-nixl":
         _serve_nixl(args.size)
-        return 0
-    sizes = [_parse_size(s) for s in args.sizes.split(",") if s]
-    figures = ENGINES[args.engine](sizes, args.iters)
-    print(json.dumps({str(k): v for k, v in figures.items()}))
+    elif args.command == "gloo-peer":
+        _gloo_peer(args.port)
+    else:
+        sizes = [_parse_size(s) for s in args.sizes.split(",") if s]
+        figures = measure(args.engine, sizes, args.iters)
+        print(json.dumps({str(k): v for k, v in figures.items()}))
     return 0
 
 
