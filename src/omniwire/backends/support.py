@@ -23,16 +23,20 @@ import msgspec
 import torch
 
 from ..errors import BackendError, TransferTimeoutError
-from ..wire import align_up
+from ..wire import MAX_TENSORS, align_up
+from .base import BackendBase, Export
 
 __all__ = [
     "HostMemory",
+    "LentExport",
     "LentPiece",
     "RegistrationCache",
     "Releaser",
     "byte_view",
+    "check_pieces",
     "check_range",
     "decode_blob",
+    "lend",
     "lent_pieces",
     "mib",
     "poll_until",
@@ -72,6 +76,25 @@ def check_range(lo: int, hi: int, nbytes: int, what: str) -> None:
     """Raises BackendError unless ``0 <= lo <= hi <= nbytes``."""
     if not 0 <= lo <= hi <= nbytes:
         raise BackendError(f"{what}: range [{lo}, {hi}) outside a {nbytes}-byte object")
+
+
+def check_pieces(pieces: Sequence[tuple[int, int]], nbytes: int, where: str) -> None:
+    """Check ``(at, length)`` pieces of an object of ``nbytes``: sorted by ``at``, not
+    overlapping, not empty, inside the object, at most MAX_TENSORS of them.
+
+    Raises:
+        BackendError: one is not.
+    """
+    if len(pieces) > MAX_TENSORS:
+        raise BackendError(f"{where} has {len(pieces)} pieces")
+    end = 0
+    for at, length in pieces:
+        if length <= 0 or at < end or at + length > nbytes:
+            raise BackendError(
+                f"{where} has a piece [{at}, {at + length}) that is empty, overlaps "
+                f"another or lies outside the {nbytes}-byte object"
+            )
+        end = at + length
 
 
 def storage_span(t: torch.Tensor) -> tuple[int, int]:
@@ -324,6 +347,23 @@ class RegistrationCache(Generic[H]):
         self._evict()
         return key, entry.handle
 
+    async def acquire_all(self, tensors: Sequence[torch.Tensor]) -> list[tuple[Hashable, H]]:
+        """:meth:`acquire` each tensor's registration; on a failure, release those
+        acquired and raise.
+
+        Raises:
+            BackendError: the engine refused to register one.
+        """
+        got: list[tuple[Hashable, H]] = []
+        try:
+            for t in tensors:
+                got.append(await self.acquire(t))
+        except BaseException:
+            for key, _ in got:
+                self.release(key)
+            raise
+        return got
+
     def release(self, key: Hashable) -> None:
         """An export that used the registration of ``key`` is done."""
         entry = self._entries.get(key)
@@ -360,3 +400,50 @@ class RegistrationCache(Generic[H]):
     @property
     def nbytes(self) -> int:
         return self._bytes
+
+
+async def lend(
+    cache: RegistrationCache[H], tensors: Sequence[torch.Tensor], devices: frozenset[str]
+) -> tuple[list[LentPiece], int, list[tuple[Hashable, H]]] | None:
+    """The caller's lent tensors as pieces of the packed image (:func:`lent_pieces`),
+    each registered through ``cache``; None when they cannot be read in place.
+
+    Raises:
+        BackendError: the engine refused a registration (none is kept).
+    """
+    image = lent_pieces(tensors, devices)
+    if image is None:
+        return None
+    pieces, nbytes = image
+    return pieces, nbytes, await cache.acquire_all([p.tensor for p in pieces])
+
+
+class LentExport(Export):
+    """An export of the caller's lent tensors, read in place by the peer through their
+    registrations in ``cache`` (held until the export is released)."""
+
+    def __init__(
+        self,
+        backend: BackendBase,
+        nbytes: int,
+        ref: bytes,
+        cache: RegistrationCache[H],
+        keys: Sequence[Hashable],
+        tensors: Sequence[torch.Tensor],
+    ) -> None:
+        super().__init__(backend, nbytes, None)
+        self._ref = ref
+        self._cache: RegistrationCache[H] | None = cache
+        self._keys = list(keys)
+        self.tensors: list[torch.Tensor] | None = list(tensors)
+
+    @property
+    def ref(self) -> bytes:
+        return self._ref
+
+    def _release(self) -> None:
+        self.tensors = None
+        cache, self._cache = self._cache, None
+        if cache is not None:
+            for key in self._keys:
+                cache.release(key)

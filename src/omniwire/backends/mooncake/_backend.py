@@ -4,7 +4,6 @@ tensors), imports read with the engine. See the package docstring."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Hashable
 from typing import ClassVar, Literal
 
 import anyio
@@ -23,7 +22,7 @@ from ..base import (
     copy_range,
 )
 from ..pool import Lease, SlotPool
-from ..support import LentPiece, RegistrationCache, Releaser, check_range, lent_pieces, mib
+from ..support import LentExport, RegistrationCache, Releaser, check_range, lend, mib
 from . import _blobs as blobs
 from ._engine import Engine, import_error, read, shared_engine
 from ._memory import Registered, new_pool, registration_cache
@@ -53,39 +52,6 @@ class _Export(Export):
 
     def _release(self) -> None:
         self.lease.release()
-
-
-class _LentExport(Export):
-    """The caller's tensors, registered (cached), read in place by the peer."""
-
-    def __init__(
-        self,
-        backend: MooncakeBackend,
-        nbytes: int,
-        pieces: list[LentPiece],
-        keys: list[Hashable],
-    ) -> None:
-        super().__init__(backend, nbytes, None)
-        self.pieces: list[LentPiece] | None = pieces
-        self.keys = keys
-        self.cache = backend.registrations
-        self._ref = blobs.encode(
-            blobs.PiecesRef(
-                backend.engine.session,
-                0,
-                nbytes,
-                pieces=[blobs.Piece(p.at, p.addr, p.nbytes) for p in pieces],
-            )
-        )
-
-    @property
-    def ref(self) -> bytes:
-        return self._ref
-
-    def _release(self) -> None:
-        self.pieces = None
-        for key in self.keys:
-            self.cache.release(key)
 
 
 class _Import(Import):
@@ -409,21 +375,25 @@ class MooncakeBackend(ByteBackend):
         hello = self._peers.get(peer.key)
         if not lent or hello is None or not hello.pieces:
             return None
-        lent_image = lent_pieces(tensors)
+        lent_image = await lend(self.registrations, tensors, frozenset({"cpu"}))
         if lent_image is None:
             return None
-        pieces, nbytes = lent_image
-        keys: list[Hashable] = []
-        try:
-            for p in pieces:
-                key, _ = await self.registrations.acquire(p.tensor)
-                keys.append(key)
-        except BaseException:
-            for key in keys:
-                self.registrations.release(key)
-            raise
+        pieces, nbytes, acquired = lent_image
+        ref = blobs.PiecesRef(
+            self.engine.session,
+            0,
+            nbytes,
+            pieces=[blobs.Piece(p.at, p.addr, p.nbytes) for p in pieces],
+        )
         self.counters["lent"] += 1
-        return _LentExport(self, nbytes, pieces, keys)
+        return LentExport(
+            self,
+            nbytes,
+            blobs.encode(ref),
+            self.registrations,
+            [key for key, _ in acquired],
+            [p.tensor for p in pieces],
+        )
 
     # -- receiver ----------------------------------------------------------------------
 

@@ -31,9 +31,8 @@ from typing import Annotated
 import msgspec
 
 from ...errors import BackendError
-from ...wire import MAX_TENSORS
 from ..base import PeerInfo
-from ..support import decode_blob
+from ..support import check_pieces, decode_blob
 
 __all__ = ["HelloInfo", "Piece", "PiecesRef", "Ref", "decode_hello", "encode", "spans"]
 
@@ -116,21 +115,15 @@ def spans(data: bytes, hello: HelloInfo, nbytes: int, peer: str) -> list[tuple[i
         return end <= U64_MAX and not (addr < pool_hi and end > pool_lo)
 
     if ref.pieces:
-        if ref.offset or ref.dedicated or len(ref.pieces) > MAX_TENSORS:
+        if ref.offset or ref.dedicated:
             raise BackendError(f"{where} mixes pieces with a pool offset or a dedicated buffer")
-        end = 0
+        check_pieces([(p.at, p.length) for p in ref.pieces], nbytes, where)
         for p in ref.pieces:
-            if p.length == 0 or p.at < end or p.at + p.length > nbytes:
-                raise BackendError(
-                    f"{where} has a piece [{p.at}, {p.at + p.length}) that is empty, "
-                    f"overlaps another or lies outside the {nbytes}-byte object"
-                )
             if not outside_pool(p.addr, p.length):
                 raise BackendError(
                     f"{where} has a piece at 0x{p.addr:x} that is not memory of its own "
                     "outside its pool"
                 )
-            end = p.at + p.length
         return [(p.at, p.addr, p.length) for p in ref.pieces]
     if ref.dedicated == 0:
         if ref.offset + ref.length > hello.pool_size:

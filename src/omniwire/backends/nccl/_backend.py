@@ -137,12 +137,7 @@ class _Import(Import):
                 h.loop, h.future = loop, fut
                 link.pending.add(h)
             try:
-                if h.ordered:
-                    link.claim(h, target)
-                else:
-                    h.target = target
-                    h.posted = True
-                    link.submit(lambda: link.post_recv(h))
+                link.receive(h, target)
             except BackendError as exc:
                 link.complete(h, exc)
             except Exception as exc:
@@ -420,13 +415,7 @@ class NcclBackend(ByteBackend):
         """Receive ``h`` into scratch: the sender's send must complete."""
         link = h.link
         try:
-            if h.ordered:
-                link.claim(h, None)
-            else:
-                h.consume = True
-                h.posted = True
-                h.target = self.scratch(h.nbytes)
-                link.submit(lambda: link.post_recv(h))
+            link.receive(h, None)
         except BackendError as exc:
             log.info("nccl: cannot consume object from %s: %s", link.pair.name, exc)
         except Exception as exc:

@@ -21,9 +21,8 @@ from typing import Literal
 import msgspec
 
 from ...errors import BackendError
-from ...wire import MAX_TENSORS
 from ..base import PeerInfo
-from ..support import decode_blob
+from ..support import check_pieces, decode_blob
 
 __all__ = ["MAX_TAG", "HelloInfo", "PiecesRef", "Ref", "decode_hello", "decode_ref", "encode"]
 
@@ -85,14 +84,7 @@ def decode_ref(data: bytes, nbytes: int, peer: str, cuda_pair: bool) -> PiecesRe
     if ref.device == "cuda" and not (ref.ordered and cuda_pair):
         raise BackendError(f"{where} names a CUDA object, but NCCL does not connect this pair")
     if ref.pieces:
-        if ref.ordered or ref.device != "cpu" or len(ref.pieces) > MAX_TENSORS:
+        if ref.ordered or ref.device != "cpu":
             raise BackendError(f"{where} has pieces on the ordered channel or off the CPU")
-        end = 0
-        for at, length in ref.pieces:
-            if length <= 0 or at < end or at + length > nbytes:
-                raise BackendError(
-                    f"{where} has a piece [{at}, {at + length}) that is empty, overlaps "
-                    f"another or lies outside the {nbytes}-byte object"
-                )
-            end = at + length
+        check_pieces(ref.pieces, nbytes, where)
     return ref

@@ -506,6 +506,19 @@ class Link:
         h.works = [pg.recv([buf], self.peer, tag) for buf, tag in h.messages(h.target)]
         self._queue("recv", self._recv_loop).put(h)
 
+    def receive(self, h: Inbound, target: torch.Tensor | None) -> None:
+        """Receive ``h`` into ``target``, or into scratch (consumed) when None: post its
+        gloo receives (tagged channel) or claim it for the FIFO thread (ordered)."""
+        if h.ordered:
+            self.claim(h, target)
+            return
+        if target is None:
+            h.consume = True
+            target = self.backend.scratch(h.nbytes)
+        h.target = target
+        h.posted = True
+        self.submit(lambda: self.post_recv(h))
+
     def _recv_loop(self, q: queue.SimpleQueue[Any]) -> None:
         while True:
             h = q.get()

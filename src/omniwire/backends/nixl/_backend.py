@@ -23,7 +23,7 @@ from ..base import (
     PeerInfo,
 )
 from ..pool import Lease, SlotPool
-from ..support import RegistrationCache, Releaser, check_range, lent_pieces
+from ..support import LentExport, RegistrationCache, Releaser, check_range, lend
 from . import _blobs as blobs
 from ._blobs import Lent, Mem, Region, Span
 from ._engine import (
@@ -86,33 +86,6 @@ class _Export(Export):
 
     def _release(self) -> None:
         self.lease.release()
-
-
-class _LentExport(Export):
-    """The caller's tensors, registered (cached), read in place by the peer."""
-
-    def __init__(
-        self,
-        backend: NixlBackend,
-        nbytes: int,
-        ref: bytes,
-        keys: list[Hashable],
-        tensors: list[torch.Tensor],
-    ) -> None:
-        super().__init__(backend, nbytes, None)
-        self._ref = ref
-        self.keys = keys
-        self.tensors: list[torch.Tensor] | None = tensors
-        self.cache = backend.registrations
-
-    @property
-    def ref(self) -> bytes:
-        return self._ref
-
-    def _release(self) -> None:
-        self.tensors = None
-        for key in self.keys:
-            self.cache.release(key)
 
 
 class _Loaded:
@@ -637,29 +610,22 @@ class NixlBackend(ByteBackend):
         remote = self._remotes.get(peer.key)
         if not lent or remote is None or not remote.pieces:
             return None
-        image = lent_pieces(tensors)
+        image = await lend(self.registrations, tensors, frozenset({"cpu"}))
         if image is None:
             return None
-        pieces, nbytes = image
-        keys: list[Hashable] = []
+        pieces, nbytes, acquired = image
         regions: dict[Hashable, int] = {}
         lents: list[blobs.Lent] = []
         out: list[blobs.Piece] = []
-        try:
-            for p in pieces:
-                key, reg = await self.registrations.acquire(p.tensor)
-                keys.append(key)
-                if key not in regions:
-                    regions[key] = len(lents)
-                    lents.append(blobs.Lent(reg.region, reg.metadata))
-                out.append(blobs.Piece(p.at, p.addr, p.nbytes, regions[key]))
-        except BaseException:
-            for key in keys:
-                self.registrations.release(key)
-            raise
+        for p, (key, reg) in zip(pieces, acquired, strict=True):
+            if key not in regions:
+                regions[key] = len(lents)
+                lents.append(blobs.Lent(reg.region, reg.metadata))
+            out.append(blobs.Piece(p.at, p.addr, p.nbytes, regions[key]))
         ref = blobs.encode(blobs.PiecesRef(blobs.PIECES, 0, nbytes, lent=lents, pieces=out))
         self.counters["lent"] += 1
-        return _LentExport(self, nbytes, ref, keys, [p.tensor for p in pieces])
+        keys = [key for key, _ in acquired]
+        return LentExport(self, nbytes, ref, self.registrations, keys, [p.tensor for p in pieces])
 
     # -- receiver --------------------------------------------------------------------------
 

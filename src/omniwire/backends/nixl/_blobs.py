@@ -41,9 +41,8 @@ from typing import Annotated, Literal
 import msgspec
 
 from ...errors import BackendError
-from ...wire import MAX_TENSORS
 from ..base import PeerInfo
-from ..support import decode_blob
+from ..support import check_pieces, decode_blob
 
 __all__ = [
     "HelloInfo",
@@ -189,25 +188,19 @@ def resolve(
     if ref.pool == PIECES:
         if ref.region is not None or ref.metadata or ref.offset or not ref.pieces:
             raise BackendError(f"{where} mixes pieces with a pool or a region")
-        if len(ref.pieces) > MAX_TENSORS or len(ref.lent) > len(ref.pieces):
+        if len(ref.lent) > len(ref.pieces):
             raise BackendError(f"{where} has {len(ref.pieces)} pieces, {len(ref.lent)} regions")
         for entry in ref.lent:
             check_region(entry.region, entry.metadata)
+        check_pieces([(p.at, p.length) for p in ref.pieces], nbytes, where)
         spans = []
-        end = 0
         for p in ref.pieces:
-            if p.length == 0 or p.at < end or p.at + p.length > nbytes:
-                raise BackendError(
-                    f"{where} has a piece [{p.at}, {p.at + p.length}) that is empty, "
-                    f"overlaps another or lies outside the {nbytes}-byte object"
-                )
             if p.lent >= len(ref.lent):
                 raise BackendError(f"{where}: a piece names region {p.lent} of {len(ref.lent)}")
             r = ref.lent[p.lent].region
             if not r.addr <= p.addr or p.addr + p.length > r.addr + r.length:
                 raise BackendError(f"{where} has a piece outside its region")
             spans.append(Span(p.at, p.addr, p.length, r.dev, r.mem))
-            end = p.at + p.length
         return spans, list(ref.lent)
     if ref.lent or ref.pieces:
         raise BackendError(f"{where} has pieces but names pool {ref.pool}")
