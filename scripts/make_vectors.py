@@ -1,101 +1,44 @@
 #!/usr/bin/env python3
-"""Write the golden test vectors of specs/wire-v1.md into specs/vectors/.
+"""Write the test vectors of specs/wire-v1.md into specs/vectors/.
+
+Every file is produced here from omniwire's own code — messages by ``wire.encode``,
+headers by ``codec.dumps``, tensor tables by ``packing.plan``, backend blobs by each
+backend's own structs, the CURVE keys by ``control.CurveKey`` — so the vectors are
+what omniwire writes. ``tests/test_vectors.py`` checks that this script's output
+equals the files (CI fails on drift), that every positive vector decodes and
+re-encodes byte for byte, and that every negative vector raises the error its
+manifest names.
 
 Run it only when the wire format changes on purpose (with a version bump and a
-CHANGELOG "Wire format" entry): tests/test_vectors.py checks that the current
-code decodes these files and re-encodes them byte for byte.
+CHANGELOG "Wire format" entry)::
+
+    python scripts/make_vectors.py          # rewrite specs/vectors/
+    python scripts/make_vectors.py --check  # exit 1 if the files differ
 """
 
 from __future__ import annotations
 
+import argparse
+import hashlib
 import json
 import pathlib
+import sys
+from typing import Any
 
 import msgspec
 
-from omniwire import codec, wire
+from omniwire import codec, packing, wire
 
-OUT = pathlib.Path(__file__).resolve().parent.parent / "specs" / "vectors"
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+OUT = ROOT / "specs" / "vectors"
 
-_TABLE = (
-    wire.TensorMeta(dtype="float32", shape=(2, 3), offset=0, nbytes=24, path="payload['x']"),
-    wire.TensorMeta(dtype="bfloat16", shape=(), offset=64, nbytes=2, path="payload['y'][0]"),
-    wire.TensorMeta(dtype="int64", shape=(0, 4), offset=128, nbytes=0, path="payload['z']"),
-)
+# -- fixed facts the vectors share -------------------------------------------------
 
-VECTORS: dict[str, wire.Message] = {
-    "hello": wire.HelloMessage(
-        endpoint="thinker",
-        wire_min=(1, 0),
-        wire_max=(1, 0),
-        features=("pickle",),
-        host_id="4f1c2a3b-0000-4000-8000-000000000001/22",
-        hostname="node-a",
-        pid=4242,
-        process_token="9b1f0c2d4e6a8b0c",
-        instance=1234567890123,
-        address="ipc:///tmp/omniwire/thinker",
-        abort_address="ipc:///tmp/omniwire/thinker.abort",
-        devices=(wire.DeviceInfo(kind="cpu"), wire.DeviceInfo(kind="cuda", index=0, uuid="GPU-1")),
-        backends=(
-            wire.BackendInfo(name="local"),
-            wire.BackendInfo(name="shm", info=b"\x81\xa6prefix\xb0omniwire-4242-9b"),
-        ),
-        is_reply=False,
-    ),
-    "data_ready_ref": wire.DataReadyMessage(
-        request_id="req-0",
-        from_stage="encoder",
-        to_stage="thinker",
-        chunk_id=0,
-        data_ref=wire.DataRef(
-            object_id=17,
-            kind="payload",
-            backend="shm",
-            layout="packed",
-            ref=wire.BackendRef(backend="shm", info=b"\x92\xa4seg0\xcd\x10\x00", length=130),
-            header=b"\x83\xa1x\xc7\x01\x02\x00\xa1y\x91\xc7\x01\x02\x01\xa1z\xc7\x01\x02\x02",
-            tensors=_TABLE,
-            ready=64,
-        ),
-        metadata=b"\x80",
-    ),
-    "data_ready_inline": wire.DataReadyMessage(
-        request_id="req-0",
-        from_stage="thinker",
-        to_stage="talker",
-        chunk_id=3,
-        inline=wire.InlineStreamChunkRef(
-            header=b"\xc7\x01\x02\x00",
-            tensors=(wire.TensorMeta(dtype="int32", shape=(4,), offset=0, nbytes=16),),
-            data=bytes(range(16)),
-        ),
-        metadata=b"\x81\xa4step\x03",
-    ),
-    "data_ready_end": wire.DataReadyMessage(
-        request_id="req-0", from_stage="thinker", to_stage="talker", chunk_id=4, is_done=True
-    ),
-    "data_ready_error": wire.DataReadyMessage(
-        request_id="req-1",
-        from_stage="thinker",
-        to_stage="talker",
-        chunk_id=0,
-        is_done=True,
-        error="CUDA out of memory",
-    ),
-    "data_progress": wire.DataProgressMessage(
-        object_id=17, from_stage="encoder", to_stage="thinker", ready=130
-    ),
-    "data_ack": wire.DataAckMessage(object_id=17, from_stage="thinker", to_stage="encoder"),
-    "data_ack_failed": wire.DataAckMessage(
-        object_id=18,
-        from_stage="thinker",
-        to_stage="encoder",
-        success=False,
-        error="request aborted",
-    ),
-    "abort": wire.AbortMessage(request_id="req-0", from_stage="encoder", reason="client went away"),
-}
+PID = 4242
+SHM_PREFIX = f"omniwire-{PID}-9b1f0c2d"  # omniwire-<pid>-<8..32 hex>
+HOST_ID = "4f1c2a3b-0000-4000-8000-000000000001/22"  # <boot id>/<st_dev of /dev/shm>
+TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+CURVE_SECRET = "omniwire test vector key"
 
 
 class Span(msgspec.Struct):
@@ -108,12 +51,214 @@ class Span(msgspec.Struct):
 codec.register_type(Span, name="omniwire.vectors.Span")
 
 
+def _shm_hello() -> bytes:
+    from omniwire.backends import shm
+
+    return msgspec.msgpack.encode(shm._HelloInfo(prefix=SHM_PREFIX))
+
+
+def _shm_ref(segment: str, offset: int, size: int, dedicated: bool) -> bytes:
+    from omniwire.backends import shm
+
+    return msgspec.msgpack.encode(
+        shm._Ref(segment=segment, offset=offset, size=size, dedicated=dedicated)
+    )
+
+
+def _ref_payload() -> tuple[bytes, tuple[wire.TensorMeta, ...], int]:
+    """A payload with three tensors (one 0-dim, one empty): header, table, length."""
+    import torch
+
+    x = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+    y = torch.tensor(1.5, dtype=torch.bfloat16)
+    z = torch.zeros((0, 4), dtype=torch.int64)
+    enc = codec.dumps({"x": x, "y": [y], "z": z})
+    plan = packing.plan(enc.tensors, enc.paths)
+    return enc.header, plan.metas, plan.nbytes
+
+
+def _inline(value: Any) -> wire.InlineStreamChunkRef:
+    """An inline body as omniwire's sender builds it: header, table, packed bytes."""
+    enc = codec.dumps(value)
+    plan = packing.plan(enc.tensors, enc.paths)
+    data = bytearray(plan.nbytes)
+    packing.pack_into(data, enc.tensors, plan)
+    return wire.InlineStreamChunkRef(header=enc.header, tensors=plan.metas, data=bytes(data))
+
+
+def messages() -> dict[str, wire.Message]:
+    """The positive message vectors, by file stem."""
+    import torch
+
+    header, table, length = _ref_payload()
+    hello = wire.HelloMessage(
+        endpoint="thinker",
+        wire_min=(1, 0),
+        wire_max=(1, 1),
+        features=("zero_copy",),
+        host_id=HOST_ID,
+        hostname="node-a",
+        pid=PID,
+        process_token="9b1f0c2d4e6a8b0c",
+        instance=1234567890123,
+        address="ipc:///tmp/omniwire/thinker",
+        abort_address="ipc:///tmp/omniwire/thinker.abort",
+        devices=(wire.DeviceInfo(kind="cpu"), wire.DeviceInfo(kind="cuda", index=0, uuid="GPU-1")),
+        backends=(
+            wire.BackendInfo(name="local"),
+            wire.BackendInfo(name="shm", info=_shm_hello()),
+        ),
+        is_reply=False,
+        to_endpoint="encoder",
+    )
+    progressive = wire.DataReadyMessage(
+        request_id="req-0",
+        from_stage="thinker",
+        to_stage="encoder",
+        chunk_id=0,
+        data_ref=wire.DataRef(
+            object_id=17,
+            kind="payload",
+            backend="shm",
+            layout="packed",
+            ref=wire.BackendRef(
+                backend="shm",
+                info=_shm_ref(f"{SHM_PREFIX}-0", 8192, length, False),
+                length=length,
+            ),
+            header=header,
+            tensors=table,
+            ready=64,
+        ),
+        metadata=codec.dumps({"step": 1}).header,
+        traceparent=TRACEPARENT,
+    )
+    return {
+        "hello": hello,
+        "hello_reply": msgspec.structs.replace(
+            hello,
+            endpoint="encoder",
+            pid=4343,
+            process_token="0c8b6a4e2d0c1f9b",
+            instance=42,
+            address="tcp://10.0.0.2:5555",
+            abort_address="tcp://10.0.0.2:5556",
+            host_id="7e2d1c0b-0000-4000-8000-000000000002/22",
+            hostname="node-b",
+            features=(),
+            devices=(wire.DeviceInfo(kind="cpu"),),
+            backends=(wire.BackendInfo(name="local"),),
+            is_reply=True,
+            to_endpoint="thinker",
+        ),
+        "data_ready_ref": progressive,
+        "data_ready_ref_dedicated": msgspec.structs.replace(
+            progressive,
+            request_id="req-1",
+            data_ref=msgspec.structs.replace(
+                progressive.data_ref,
+                object_id=18,
+                ref=wire.BackendRef(
+                    backend="shm",
+                    info=_shm_ref(f"{SHM_PREFIX}-7", 0, length, True),
+                    length=length,
+                ),
+                ready=None,
+            ),
+            metadata=b"",
+            traceparent="",
+        ),
+        "data_ready_inline": wire.DataReadyMessage(
+            request_id="req-0",
+            from_stage="thinker",
+            to_stage="talker",
+            chunk_id=3,
+            inline=_inline(torch.arange(4, dtype=torch.int32)),
+            metadata=codec.dumps({"step": 3}).header,
+        ),
+        "data_ready_inline_payload": wire.DataReadyMessage(
+            request_id="req-2",
+            from_stage="thinker",
+            to_stage="talker",
+            inline=msgspec.structs.replace(
+                _inline({"ids": torch.tensor([7, 8], dtype=torch.int64), "text": "hi"}),
+                kind="payload",
+            ),
+        ),
+        "data_ready_end": wire.DataReadyMessage(
+            request_id="req-0", from_stage="thinker", to_stage="talker", chunk_id=4, is_done=True
+        ),
+        "data_ready_error": wire.DataReadyMessage(
+            request_id="req-1",
+            from_stage="thinker",
+            to_stage="talker",
+            chunk_id=0,
+            is_done=True,
+            error="CUDA out of memory",
+        ),
+        "data_progress": wire.DataProgressMessage(
+            object_id=17, from_stage="thinker", to_stage="encoder", ready=length
+        ),
+        "data_ack": wire.DataAckMessage(object_id=17, from_stage="encoder", to_stage="thinker"),
+        "data_ack_nack": wire.DataAckMessage(
+            object_id=18,
+            from_stage="encoder",
+            to_stage="thinker",
+            success=False,
+            error="request 'req-1' was aborted by 'client'",
+            reason="aborted",
+        ),
+        "data_ack_misaddressed": wire.DataAckMessage(
+            object_id=19,
+            from_stage="encoder",
+            to_stage="thinker",
+            success=False,
+            error="DataReady addressed to 'vocoder', not 'encoder'",
+            reason="misaddressed",
+        ),
+        "abort": wire.AbortMessage(
+            request_id="req-0", from_stage="encoder", reason="client went away"
+        ),
+        "abort_forwarded": wire.AbortMessage(
+            request_id="req-0", from_stage="thinker", reason="client went away", origin="encoder"
+        ),
+        "goodbye": wire.GoodbyeMessage(
+            from_stage="thinker", instance=1234567890123, reason="endpoint closed"
+        ),
+        "refusal": wire.RefusalMessage(
+            from_stage="thinker",
+            to_stage="encoder",
+            code="name_mismatch",
+            detail="this endpoint is 'thinker', not 'talker'",
+            addressed="talker",
+        ),
+        "batch": wire.BatchMessage(
+            messages=(
+                wire.DataAckMessage(object_id=17, from_stage="encoder", to_stage="thinker"),
+                wire.DataAckMessage(
+                    object_id=18,
+                    from_stage="encoder",
+                    to_stage="thinker",
+                    success=False,
+                    error="receiver queue full",
+                    reason="queue_full",
+                ),
+                wire.DataReadyMessage(
+                    request_id="req-3", from_stage="encoder", to_stage="thinker", is_done=True
+                ),
+                wire.AbortMessage(request_id="req-4", from_stage="encoder"),
+            )
+        ),
+    }
+
+
 def header_value() -> dict[object, object]:
     """One payload using every header encoding of spec §6 (its tensor: zeros(2))."""
+    import numpy as np
     import torch
 
     t = torch.zeros(2)
-    value = {
+    value: dict[object, object] = {
         "none": None,
         "bool": True,
         "int": -(2**63),
@@ -126,9 +271,555 @@ def header_value() -> dict[object, object]:
         (1, "key"): "tuple key",
         "tensor": t,
         "same_tensor": t,
+        "ndarray": np.arange(3, dtype=np.uint8),
     }
     value["span"] = Span(3, 9)
     return value
+
+
+def blobs() -> dict[str, msgspec.Struct]:
+    """Each built-in backend's Hello info and reference blobs, by file stem."""
+    from omniwire.backends import cuda_ipc, mooncake, nccl, nixl, shm
+
+    share = cuda_ipc._Share(
+        device="GPU-5f2c1a9e-0000-4000-8000-000000000001",
+        handle=bytes(range(66)),
+        nbytes=1 << 20,
+        offset=0,
+        counter=f"/torch_{PID}_1234567890_0",
+        counter_offset=3,
+        event=bytes(64),
+        event_sync=True,
+    )
+    agent = f"ow-thinker-{PID}-0123456789ab"
+    nixl_md = b"nixlSerDes|Agent" + len(agent).to_bytes(8, "little") + agent.encode() + b"|..."
+    pool = nixl._Region(addr=0x7F0000000000, length=128 << 20, dev=0, mem="DRAM")
+    return {
+        "shm_hello": shm._HelloInfo(prefix=SHM_PREFIX),
+        "shm_ref": shm._Ref(segment=f"{SHM_PREFIX}-0", offset=8192, size=128, dedicated=False),
+        "shm_ref_dedicated": shm._Ref(
+            segment=f"{SHM_PREFIX}-7", offset=0, size=128, dedicated=True
+        ),
+        "cuda_ipc_hello": cuda_ipc._HelloInfo(
+            pid=PID, device="GPU-5f2c1a9e-0000-4000-8000-000000000001", release_event=bytes(64)
+        ),
+        "cuda_ipc_ref_tensors": cuda_ipc._TensorsRef(
+            shares=[share],
+            tensors=[
+                cuda_ipc._TensorRef(
+                    share=0, dtype="float16", shape=[2, 3], stride=[3, 1], offset=0
+                ),
+                cuda_ipc._TensorRef(share=0, dtype="float16", shape=[4], stride=[1], offset=32),
+            ],
+        ),
+        "cuda_ipc_ref_slot": cuda_ipc._SlotRef(
+            buffer=share,
+            buffer_id=0,
+            dedicated=False,
+            offset=65536,
+            size=4096,
+            event=bytes(64),
+            event_id=5,
+        ),
+        "mooncake_hello": mooncake._HelloInfo(
+            session="10.0.0.1:15002", protocol="tcp", pool_addr=0x7F0000000000, pool_size=64 << 20
+        ),
+        "mooncake_ref": mooncake._Ref(session="10.0.0.1:15002", offset=4096, length=128),
+        "mooncake_ref_dedicated": mooncake._Ref(
+            session="10.0.0.1:15002", offset=0, length=128 << 20, dedicated=0x7F1000000000
+        ),
+        "nixl_hello": nixl._HelloInfo(agent=agent, metadata=nixl_md, pools=[pool]),
+        "nixl_ref": nixl._Ref(pool=0, offset=4096, length=128),
+        "nixl_ref_dedicated": nixl._Ref(
+            pool=-1,
+            offset=0,
+            length=256 << 20,
+            region=nixl._Region(addr=0x7F2000000000, length=256 << 20, dev=0, mem="DRAM"),
+            metadata=nixl_md,
+        ),
+        "nccl_hello": nccl._HelloInfo(host="10.0.0.1", port=29500, cuda=False),
+        "nccl_ref": nccl._Ref(gen=0, tag=1, nbytes=128, device="cpu", ordered=False),
+    }
+
+
+def curve() -> dict[str, str]:
+    """The CURVE key derivation test vector (spec §3.5)."""
+    from omniwire.control import CurveKey
+
+    key = CurveKey.from_shared_secret(CURVE_SECRET)
+    digest = hashlib.sha256(b"omniwire-curve-v1\0" + CURVE_SECRET.encode()).digest()
+    return {
+        "auth_key": CURVE_SECRET,
+        "sha256_input_hex": (b"omniwire-curve-v1\0" + CURVE_SECRET.encode()).hex(),
+        "secret_key_hex": digest.hex(),
+        "secret_key_z85": key.secret.decode(),
+        "public_key_z85": key.public.decode(),
+    }
+
+
+# -- 1.0 frames a 1.1 reader must accept ---------------------------------------------
+
+
+def _frame(body: Any, major: int = 1, minor: int = 1) -> bytes:
+    return b"OWIR" + bytes([major, minor, 0, 0]) + msgspec.msgpack.encode(body)
+
+
+def _without(msg: wire.Message, *fields: str) -> dict[str, Any]:
+    """``msg`` as a msgpack map in field order, without ``fields``."""
+    body: dict[str, Any] = {"type": msg.__struct_config__.tag}
+    body.update(msgspec.structs.asdict(msg))
+    for f in fields:
+        body.pop(f)
+    return msgspec.msgpack.decode(msgspec.msgpack.encode(body))  # type: ignore[no-any-return]
+
+
+def compat() -> dict[str, tuple[bytes, wire.Message]]:
+    """1.0 frames (no 1.1 field, minor 0) and what a 1.1 reader decodes them to."""
+    msgs = messages()
+    hello10 = msgspec.structs.replace(msgs["hello"], wire_max=(1, 0), to_endpoint="")
+    ack10 = wire.DataAckMessage(
+        object_id=18, from_stage="encoder", to_stage="thinker", success=False, error="x"
+    )
+    abort10 = wire.AbortMessage(request_id="req-0", from_stage="encoder", reason="gone")
+    ready10 = msgspec.structs.replace(msgs["data_ready_inline"], traceparent="")
+    return {
+        "hello_1_0": (_frame(_without(hello10, "to_endpoint"), minor=0), hello10),
+        "data_ack_1_0": (_frame(_without(ack10, "reason"), minor=0), ack10),
+        "abort_1_0": (_frame(_without(abort10, "origin"), minor=0), abort10),
+        "data_ready_inline_1_0": (
+            _frame(_without(ready10, "traceparent") | {"inline": _inline_10(ready10)}, minor=0),
+            ready10,
+        ),
+    }
+
+
+def _inline_10(msg: wire.DataReadyMessage) -> dict[str, Any]:
+    assert msg.inline is not None
+    body = msgspec.structs.asdict(msg.inline)
+    body.pop("kind")
+    return msgspec.msgpack.decode(msgspec.msgpack.encode(body))  # type: ignore[no-any-return]
+
+
+# -- negative vectors ------------------------------------------------------------------
+
+
+def _body(msg: wire.Message) -> dict[str, Any]:
+    return _without(msg)
+
+
+def negatives() -> list[dict[str, Any]]:
+    """Each: name, bytes, layer, error class, message fragment (a regex), why."""
+    msgs = messages()
+    abort = wire.encode(msgs["abort"])
+    hello = _body(msgs["hello"])
+    ready = _body(msgs["data_ready_ref"])
+    inline = _body(msgs["data_ready_inline"])
+    ack = _body(msgs["data_ack"])
+
+    def with_tensor(**meta: Any) -> bytes:
+        body = _body(msgs["data_ready_inline"])  # a fresh copy
+        body["inline"]["tensors"][0].update(meta)
+        return _frame(body)
+
+    hello_missing = dict(hello)
+    del hello_missing["instance"]
+    batch_hello = {"type": "batch", "messages": [ack, hello]}
+    over = inline | {
+        "inline": inline["inline"]
+        | {
+            "tensors": [
+                {
+                    "dtype": "uint8",
+                    "shape": [16385],
+                    "offset": 0,
+                    "nbytes": 16385,
+                    "device": "cpu",
+                    "path": "",
+                }
+            ],
+            "data": bytes(16385),
+        }
+    }
+    unaligned = ready | {
+        "data_ref": ready["data_ref"]
+        | {"tensors": [ready["data_ref"]["tensors"][0] | {"offset": 8}]}
+    }
+    beyond = ready | {
+        "data_ref": ready["data_ref"] | {"ref": ready["data_ref"]["ref"] | {"length": 100}}
+    }
+    both = ready | {"inline": inline["inline"]}
+    ext_tuple = msgspec.msgpack.Ext(codec.EXT_TUPLE, msgspec.msgpack.encode([1]))
+
+    def nest(depth: int) -> bytes:
+        return b"\x91" * (depth - 1) + b"\x90"
+
+    v = "wire.decode"
+    c = "codec.loads"
+    s = "shm.import"
+    wfe = "WireFormatError"
+    return [
+        # -- frame layer
+        dict(
+            name="bad_magic",
+            data=b"OWIQ" + abort[4:],
+            layer=v,
+            error=wfe,
+            match="bad magic",
+            why="the first four bytes are not OWIR",
+        ),
+        dict(
+            name="short_prefix",
+            data=b"OWIR\x01",
+            layer=v,
+            error=wfe,
+            match="prefix",
+            why="fewer than the 8 prefix bytes",
+        ),
+        dict(
+            name="empty_body",
+            data=b"OWIR\x01\x01\x00\x00",
+            layer=v,
+            error=wfe,
+            match="malformed msgpack",
+            why="a prefix and no body",
+        ),
+        dict(
+            name="trailing_bytes",
+            data=abort + b"\xc0",
+            layer=v,
+            error=wfe,
+            match="malformed msgpack",
+            why="one msgpack object followed by another byte",
+        ),
+        dict(
+            name="unknown_major",
+            data=b"OWIR\x02\x00" + abort[6:],
+            layer=v,
+            error="UnsupportedVersionError",
+            match=r"wire version 2\.0 is not supported",
+            why="major 2 (UnsupportedVersionError is a WireFormatError)",
+        ),
+        dict(
+            name="reserved_ignored_but_major_0",
+            data=b"OWIR\x00\x01\xff\xff" + abort[8:],
+            layer=v,
+            error="UnsupportedVersionError",
+            match=r"wire version 0\.1",
+            why="major 0 does not exist",
+        ),
+        dict(
+            name="not_a_map",
+            data=_frame([1, 2]),
+            layer=v,
+            error=wfe,
+            match="invalid message",
+            why="the body is an array, not a message map",
+        ),
+        dict(
+            name="unknown_type",
+            data=_frame({"type": "gossip"}),
+            layer=v,
+            error=wfe,
+            match="gossip",
+            why="a message type no 1.x version defines",
+        ),
+        dict(
+            name="nesting_in_frame",
+            data=b"OWIR\x01\x01\x00\x00" + nest(5000),
+            layer=v,
+            error=wfe,
+            match="nested too deeply|invalid message",
+            why="5000 nested arrays",
+        ),
+        dict(
+            name="invalid_utf8",
+            data=_frame(
+                {"type": "abort", "request_id": "r", "from_stage": "s", "reason": "Z", "origin": ""}
+            ).replace(b"\xa1Z", b"\xa1\xff"),
+            layer=v,
+            error=wfe,
+            match="malformed msgpack|invalid message",
+            why="a str whose bytes are not UTF-8",
+        ),
+        dict(
+            name="hello_missing_instance",
+            data=_frame(hello_missing),
+            layer=v,
+            error=wfe,
+            match="missing required field `instance`",
+            why="a Hello without a required field",
+        ),
+        dict(
+            name="hello_wire_min_above_max",
+            data=_frame(hello | {"wire_min": [1, 2], "wire_max": [1, 1]}),
+            layer=v,
+            error=wfe,
+            match="wire_min",
+            why="wire_min > wire_max",
+        ),
+        dict(
+            name="hello_empty_endpoint",
+            data=_frame(hello | {"endpoint": ""}),
+            layer=v,
+            error=wfe,
+            match="endpoint must not be empty",
+            why="an empty stage name",
+        ),
+        dict(
+            name="batch_with_hello",
+            data=_frame(batch_hello),
+            layer=v,
+            error=wfe,
+            match="invalid message",
+            why="a Hello inside a batch",
+        ),
+        dict(
+            name="batch_empty",
+            data=_frame({"type": "batch", "messages": []}),
+            layer=v,
+            error=wfe,
+            match="carries 0 messages",
+            why="a batch must carry 1 to 4096",
+        ),
+        dict(
+            name="batch_nested",
+            data=_frame({"type": "batch", "messages": [{"type": "batch", "messages": [ack]}]}),
+            layer=v,
+            error=wfe,
+            match="invalid message",
+            why="a batch inside a batch",
+        ),
+        dict(
+            name="unknown_dtype",
+            data=with_tensor(dtype="float7"),
+            layer=v,
+            error=wfe,
+            match="float7",
+            why="a dtype no 1.x version defines",
+        ),
+        dict(
+            name="nbytes_mismatch",
+            data=with_tensor(nbytes=15),
+            layer=v,
+            error=wfe,
+            match="needs 16",
+            why="nbytes != prod(shape) * itemsize",
+        ),
+        dict(
+            name="shape_dim_over_i64",
+            data=with_tensor(shape=[2**63], nbytes=0),
+            layer=v,
+            error=wfe,
+            match=r"outside \[0, 2\*\*63-1\]",
+            why="a dimension of 2**63",
+        ),
+        dict(
+            name="shape_product_overflow",
+            data=with_tensor(shape=[2**32, 2**32, 0], nbytes=0),
+            layer=v,
+            error=wfe,
+            match=r"exceeds 2\*\*63-1",
+            why="the non-zero dims multiply to 2**64 (the tensor is empty, still refused)",
+        ),
+        dict(
+            name="negative_dim",
+            data=with_tensor(shape=[-1], nbytes=0),
+            layer=v,
+            error=wfe,
+            match="shape",
+            why="a negative dimension",
+        ),
+        dict(
+            name="oversized_inline",
+            data=_frame(over),
+            layer=v,
+            error=wfe,
+            match="the limit is 16384",
+            why="16385 tensor bytes inline",
+        ),
+        dict(
+            name="unaligned_offset",
+            data=_frame(unaligned),
+            layer=v,
+            error=wfe,
+            match="not 64-aligned",
+            why="a packed tensor offset that is not a multiple of 64",
+        ),
+        dict(
+            name="tensor_beyond_buffer",
+            data=_frame(beyond),
+            layer=v,
+            error=wfe,
+            match="beyond",
+            why="a packed tensor ending past ref.length",
+        ),
+        dict(
+            name="data_ref_and_inline",
+            data=_frame(both),
+            layer=v,
+            error=wfe,
+            match="both data_ref and inline",
+            why="data_ref and inline together",
+        ),
+        dict(
+            name="ack_success_with_reason",
+            data=_frame(ack | {"reason": "aborted"}),
+            layer=v,
+            error=wfe,
+            match="success=true must have no reason",
+            why="a NACK reason on a successful ACK",
+        ),
+        dict(
+            name="object_id_negative",
+            data=_frame(ack | {"object_id": -5}),
+            layer=v,
+            error=wfe,
+            match="object_id",
+            why="a u64 field holding -5",
+        ),
+        dict(
+            name="data_ref_version_2",
+            data=_frame(ready | {"data_ref": ready["data_ref"] | {"version": 2}}),
+            layer=v,
+            error=wfe,
+            match="DataRef.version 2",
+            why="a DataRef layout version this spec does not define",
+        ),
+        # -- header layer (codec.loads with a table of `tensors` tensors)
+        dict(
+            name="header_nesting_65",
+            data=nest(65),
+            layer=c,
+            error=wfe,
+            tensors=0,
+            match="deeper than 64",
+            why="65 nested arrays",
+        ),
+        dict(
+            name="header_nesting_65_tuples",
+            data=_nest_ext(65),
+            layer=c,
+            error=wfe,
+            tensors=0,
+            match="deeper than 64",
+            why="65 nested tuples (ext 1)",
+        ),
+        dict(
+            name="header_pickle",
+            data=msgspec.msgpack.encode(msgspec.msgpack.Ext(codec.EXT_PICKLE, b"\x80\x05N.")),
+            layer=c,
+            error=wfe,
+            tensors=0,
+            match="did not opt in",
+            why="a pickled object (ext 5) without the receiver's opt-in: refused, not unpickled",
+        ),
+        dict(
+            name="header_unknown_ext",
+            data=msgspec.msgpack.encode(msgspec.msgpack.Ext(9, b"\x00")),
+            layer=c,
+            error=wfe,
+            tensors=0,
+            match="unknown header extension type 9",
+            why="ext type 9",
+        ),
+        dict(
+            name="header_tensor_index_out_of_range",
+            data=msgspec.msgpack.encode(msgspec.msgpack.Ext(codec.EXT_TENSOR, b"\x01")),
+            layer=c,
+            error=wfe,
+            tensors=1,
+            match="refers to tensor 1",
+            why="tensor index 1 with a table of one",
+        ),
+        dict(
+            name="header_unregistered_type",
+            data=msgspec.msgpack.encode(
+                msgspec.msgpack.Ext(codec.EXT_STRUCT, msgspec.msgpack.encode(["nobody.Type", {}]))
+            ),
+            layer=c,
+            error=wfe,
+            tensors=0,
+            match="not registered",
+            why="a registered-type name the reader does not know",
+        ),
+        dict(
+            name="header_tuple_not_array",
+            data=msgspec.msgpack.encode(
+                msgspec.msgpack.Ext(codec.EXT_TUPLE, msgspec.msgpack.encode({"a": 1}))
+            ),
+            layer=c,
+            error=wfe,
+            tensors=0,
+            match="does not hold an array",
+            why="ext 1 holding a map",
+        ),
+        dict(
+            name="header_trailing_bytes",
+            data=msgspec.msgpack.encode([ext_tuple]) + b"\xc0",
+            layer=c,
+            error=wfe,
+            tensors=0,
+            match="malformed payload header",
+            why="a header followed by another byte",
+        ),
+        # -- the shm backend's reference check (against the Hello vector's shm info)
+        dict(
+            name="shm_ref_foreign_segment",
+            data=_shm_ref("omniwire-999-deadbeef-0", 0, 128, False),
+            layer=s,
+            error="BackendError",
+            length=128,
+            match="not one of its own",
+            why="a segment of another prefix (another process's memory)",
+        ),
+        dict(
+            name="shm_ref_bad_name",
+            data=_shm_ref(f"{SHM_PREFIX}-0/../../etc/passwd", 0, 128, False),
+            layer=s,
+            error="BackendError",
+            length=128,
+            match="not one of its own",
+            why="a name that does not match omniwire-<pid>-<hex>-<n>",
+        ),
+        dict(
+            name="shm_ref_prefix_only",
+            data=_shm_ref(f"{SHM_PREFIX}0-1", 0, 128, False),
+            layer=s,
+            error="BackendError",
+            length=128,
+            match="not one of its own",
+            why="a name that extends the prefix instead of following it with -<n>",
+        ),
+        dict(
+            name="shm_ref_size_mismatch",
+            data=_shm_ref(f"{SHM_PREFIX}-0", 0, 64, False),
+            layer=s,
+            error="BackendError",
+            length=128,
+            match="has size 64 != 128",
+            why="size differs from BackendRef.length",
+        ),
+        dict(
+            name="shm_ref_array_form",
+            data=msgspec.msgpack.encode([f"{SHM_PREFIX}-0", 4096]),
+            layer=s,
+            error="BackendError",
+            length=128,
+            match="malformed shm reference",
+            why="the array form of the 1.0 vector; the reference is a map",
+        ),
+    ]
+
+
+def _nest_ext(depth: int) -> bytes:
+    """``depth`` tuples, each holding the next (the innermost is empty)."""
+    data = msgspec.msgpack.encode([])
+    for _ in range(depth - 1):
+        data = msgspec.msgpack.encode([msgspec.msgpack.Ext(codec.EXT_TUPLE, data)])
+    return msgspec.msgpack.encode(msgspec.msgpack.Ext(codec.EXT_TUPLE, data))
+
+
+# -- files -----------------------------------------------------------------------------
 
 
 class _Ext(msgspec.Struct):
@@ -157,18 +848,77 @@ def _jsonable(value: object) -> object:
     return value
 
 
-def main() -> None:
-    OUT.mkdir(parents=True, exist_ok=True)
-    for name, msg in VECTORS.items():
-        (OUT / f"{name}.bin").write_bytes(wire.encode(msg))
-        decoded = json.loads(msgspec.json.encode(msg))  # bytes fields appear as base64
-        (OUT / f"{name}.json").write_text(json.dumps(decoded, indent=2) + "\n")
+def _json(value: object) -> bytes:
+    return (json.dumps(value, indent=2, ensure_ascii=False) + "\n").encode()
+
+
+def build() -> dict[str, bytes]:
+    """Every file under specs/vectors/, by relative path."""
+    files: dict[str, bytes] = {}
+    for name, msg in messages().items():
+        files[f"{name}.bin"] = wire.encode(msg)
+        files[f"{name}.json"] = _json(json.loads(msgspec.json.encode(msg)))
     header = codec.dumps(header_value()).header
-    (OUT / "payload_header.bin").write_bytes(header)
-    readable = _jsonable(msgspec.msgpack.decode(header, ext_hook=_readable))
-    (OUT / "payload_header.json").write_text(json.dumps(readable, indent=1) + "\n")
-    print(f"wrote {len(VECTORS) + 1} vectors to {OUT}")
+    files["payload_header.bin"] = header
+    files["payload_header.json"] = _json(
+        _jsonable(msgspec.msgpack.decode(header, ext_hook=_readable))
+    )
+    for name, blob in blobs().items():
+        files[f"blobs/{name}.bin"] = msgspec.msgpack.encode(blob)
+        files[f"blobs/{name}.json"] = _json(json.loads(msgspec.json.encode(blob)))
+    files["curve.json"] = _json(curve())
+    for name, (frame, msg) in compat().items():
+        files[f"compat/{name}.bin"] = frame
+        files[f"compat/{name}.json"] = _json(json.loads(msgspec.json.encode(msg)))
+    manifest = []
+    for entry in negatives():
+        entry = dict(entry)
+        data = entry.pop("data")
+        files[f"negative/{entry['name']}.bin"] = data
+        manifest.append({"file": f"{entry.pop('name')}.bin", **entry})
+    files["negative/manifest.json"] = _json(
+        {
+            "about": "Frames and blobs a reader MUST reject (specs/wire-v1.md §12.3). "
+            "layer: wire.decode (a whole frame), codec.loads (a payload header, with a "
+            "table of `tensors` tensors), shm.import (an shm BackendRef.info from the peer of "
+            "vectors/hello.bin, for an object of `length` bytes). error: the class omniwire "
+            "raises; match: a regular expression its message matches.",
+            "vectors": manifest,
+        }
+    )
+    return files
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--check", action="store_true", help="compare instead of writing")
+    args = parser.parse_args(argv)
+    files = build()
+    if args.check:
+        stale = sorted(
+            p
+            for p, data in files.items()
+            if not (OUT / p).is_file() or (OUT / p).read_bytes() != data
+        )
+        extra = sorted(
+            str(p.relative_to(OUT))
+            for p in OUT.rglob("*")
+            if p.is_file() and str(p.relative_to(OUT)) not in files
+        )
+        for p in stale:
+            print(f"differs: specs/vectors/{p}")
+        for p in extra:
+            print(f"not generated: specs/vectors/{p}")
+        return 1 if stale or extra else 0
+    for old in OUT.rglob("*"):
+        if old.is_file() and str(old.relative_to(OUT)) not in files:
+            old.unlink()
+    for path, data in files.items():
+        (OUT / path).parent.mkdir(parents=True, exist_ok=True)
+        (OUT / path).write_bytes(data)
+    print(f"wrote {len(files)} files to {OUT}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

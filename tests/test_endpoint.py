@@ -133,7 +133,7 @@ async def test_abort_releases_buffers_on_both_sides() -> None:
         receipts = [await a.stream("b", torch.ones(1 << 14), request_id="doomed") for _ in range(3)]
         other = await a.send("b", {"keep": torch.ones(4)}, request_id="kept")
         with anyio.fail_after(10):
-            while len(b._queue) < 4:
+            while b.queued() < 4:
                 await anyio.sleep(0.01)
         assert a.backend("shm").stats().exports == 4
         await b.abort("doomed", "client went away")
@@ -182,7 +182,7 @@ async def test_slow_receiver_backpressure_bounds_memory_and_drops_nothing() -> N
             for i in range(n):
                 await a.send("b", {"i": i, "t": torch.ones(size // 4)}, request_id=f"r{i}")
                 peak_sender = max(peak_sender, a.in_flight()["b"][0])
-                peak_receiver = max(peak_receiver, len(b._queue))
+                peak_receiver = max(peak_receiver, b.queued())
         assert got == list(range(n))
         assert peak_sender <= 3
         assert peak_receiver <= 2

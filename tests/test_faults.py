@@ -83,7 +83,7 @@ async def test_random_kills_lose_nothing_acknowledged_and_leak_nothing() -> None
                     transfers += 1
                     if i == kill_at:
                         peer.kill()  # mid-stream, with transfers in flight both ways
-                    while ep._queue:  # take the echoes that are already here
+                    while ep.queued():  # take the echoes that are already here
                         check(await ep.receive())
             except OmniwireError:
                 pass  # sends to the dead peer fail: that is the point
@@ -99,7 +99,7 @@ async def test_random_kills_lose_nothing_acknowledged_and_leak_nothing() -> None
                 while ep.in_flight().get("victim", (0, 0)) != (0, 0):
                     await anyio.sleep(0.05)
             assert ep.backend("shm").stats().exports == 0
-            while ep._queue:
+            while ep.queued():
                 check(await ep.receive())
             fds.append(_fds())
             rss.append(_rss_mib())

@@ -14,7 +14,7 @@ from omniwire import codec, wire
 from omniwire.errors import WireFormatError
 from omniwire.testing.strategies import payloads
 
-from wire_strategies import messages
+from wire_strategies import batches, goodbyes, messages, refusals
 
 FUZZ_EXAMPLES = 3000
 _fuzz = settings(
@@ -42,12 +42,12 @@ def test_random_bytes(data: bytes) -> None:
 @_fuzz
 @given(st.binary(max_size=512))
 def test_random_bodies_behind_a_valid_prefix(body: bytes) -> None:
-    _decode_or_wire_error(b"OWIR\x01\x00\x00\x00" + body)
+    _decode_or_wire_error(b"OWIR\x01\x01\x00\x00" + body)
 
 
 @st.composite
-def mutated_frames(draw: st.DrawFn) -> bytes:
-    frame = bytearray(wire.encode(draw(messages)))
+def mutated_frames(draw: st.DrawFn, source: st.SearchStrategy[wire.Message] = messages) -> bytes:
+    frame = bytearray(wire.encode(draw(source)))
     for _ in range(draw(st.integers(1, 4))):
         how = draw(st.sampled_from(["flip", "set", "truncate", "insert", "delete"]))
         pos = draw(st.integers(0, max(len(frame) - 1, 0)))
@@ -67,6 +67,13 @@ def mutated_frames(draw: st.DrawFn) -> bytes:
 @_fuzz
 @given(mutated_frames())
 def test_mutated_valid_frames(frame: bytes) -> None:
+    _decode_or_wire_error(frame)
+
+
+@settings(_fuzz, max_examples=FUZZ_EXAMPLES // 3)
+@given(mutated_frames(st.one_of(batches, goodbyes, refusals)))
+def test_mutated_1_1_frames(frame: bytes) -> None:
+    """The 1.1 messages (batch, goodbye, refusal) mutated on their own."""
     _decode_or_wire_error(frame)
 
 

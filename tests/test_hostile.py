@@ -236,8 +236,18 @@ async def test_protocol_violations_are_refused(tmp_path: Any) -> None:
                 wire.encode(wire.AbortMessage(request_id="never-seen", from_stage="mallory"))
             )
             nacks = {a.object_id: a for a in await m.acks(timeout=3)}
-            assert set(nacks) == {2, 3, 4, 5, 6, 7, 9}
+            assert set(nacks) == {2, 3, 4, 5, 6, 7, 8, 9}
             assert all(not a.success and a.error for a in nacks.values())
+            assert {oid: a.reason for oid, a in nacks.items()} == {
+                2: "backend_error",
+                3: "backend_error",
+                4: "backend_error",
+                5: "backend_error",
+                6: "backend_error",
+                7: "unsupported",
+                8: "misaddressed",
+                9: "malformed",
+            }
             assert "not one of its own" in (nacks[2].error or "")
             assert "outside segment" in (nacks[4].error or "")
             assert "did not opt in" in (nacks[9].error or "")

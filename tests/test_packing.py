@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 import torch
 from hypothesis import given
@@ -104,3 +105,111 @@ def test_one_element_tensor_with_a_stride_packs_by_range() -> None:
     packing.pack_into(buf, [t], layout, 0, 1)
     packing.pack_into(buf, [t], layout, 1, 2)
     assert torch.equal(packing.unpack(buf, layout.metas, copy=True)[0], t)
+
+
+# -- hostile tensor tables: unpack raises WireFormatError, never a torch error ------------
+
+
+def _raw_meta(**fields: object) -> wire.TensorMeta:
+    """A TensorMeta with ``fields`` set past its validation: what a buggy decoder, a
+    future reader or a caller building metas by hand could hand to ``unpack``."""
+    meta = wire.TensorMeta(dtype="uint8", shape=(0,), offset=0, nbytes=0)
+    for name, value in fields.items():
+        msgspec.structs.force_setattr(meta, name, value)
+    return meta
+
+
+HOSTILE_METAS = [
+    pytest.param({"shape": (2**63, 0)}, id="dim-over-int64"),
+    pytest.param({"shape": (2**64, 0)}, id="dim-over-uint64"),
+    pytest.param({"shape": (2**62, 4, 0)}, id="product-over-int64"),
+    pytest.param({"shape": (-1,)}, id="negative-dim"),
+    pytest.param({"shape": (-1, 0)}, id="negative-dim-zero"),
+    pytest.param({"shape": (1.5,), "nbytes": 1}, id="float-dim"),
+    pytest.param({"shape": ("1",), "nbytes": 1}, id="str-dim"),
+    pytest.param({"shape": (0,) * 65}, id="65-dims"),
+    pytest.param({"dtype": "float32", "shape": (1,), "offset": 2, "nbytes": 4}, id="misaligned"),
+    pytest.param({"dtype": "float32", "shape": (2,), "nbytes": 4}, id="nbytes-short"),
+    pytest.param({"dtype": "uint8", "shape": (1,), "nbytes": 0}, id="nbytes-zero"),
+    pytest.param({"dtype": "float32", "shape": (1,), "nbytes": 5}, id="nbytes-odd"),
+    pytest.param({"offset": -4, "shape": (4,), "nbytes": 4}, id="negative-offset"),
+    pytest.param({"nbytes": -1}, id="negative-nbytes"),
+    pytest.param({"dtype": "float128", "shape": (1,), "nbytes": 16}, id="unknown-dtype"),
+    pytest.param({"offset": 2**64, "shape": (0,), "nbytes": 0}, id="offset-beyond"),
+]
+
+
+@pytest.mark.parametrize("fields", HOSTILE_METAS)
+@pytest.mark.parametrize("copy", [False, True], ids=["view", "copy"])
+def test_unpack_refuses_a_tensor_it_cannot_build_with_wire_format_error(
+    fields: dict[str, object], copy: bool
+) -> None:
+    meta = _raw_meta(path="payload.x", **fields)
+    with pytest.raises(WireFormatError, match=r"payload\.x"):
+        packing.unpack(bytearray(256), [meta], copy=copy)
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [(2**62, 0), (2**63 - 1, 0), (0, 2**61), (2**31, 2**31, 0), (0,) * 64],
+    ids=str,
+)
+def test_unpack_builds_huge_empty_shapes_the_wire_allows(shape: tuple[int, ...]) -> None:
+    meta = wire.TensorMeta(dtype="float32", shape=shape, offset=0, nbytes=0)  # valid on the wire
+    for copy in (False, True):
+        (t,) = packing.unpack(bytearray(64), [meta], copy=copy)
+        assert tuple(t.shape) == shape and t.numel() == 0 and t.dtype is torch.float32
+
+
+_DIMS = st.one_of(
+    st.integers(0, 4),
+    st.integers(-3, -1),
+    st.sampled_from([2**31, 2**32, 2**62, 2**63 - 1, 2**63, 2**64]),
+)
+
+
+@given(
+    dtype=st.sampled_from([*sorted(wire.DTYPE_ITEMSIZE), "float128", ""]),
+    shape=st.lists(_DIMS, max_size=5).map(tuple),
+    offset=st.one_of(st.integers(0, 130), st.sampled_from([-8, 2**63])),
+    nbytes=st.one_of(st.integers(0, 64), st.sampled_from([-1, 2**63])),
+    size=st.integers(0, 200),
+    copy=st.booleans(),
+)
+def test_unpack_of_any_table_returns_exact_views_or_raises_wire_format_error(
+    dtype: str, shape: tuple[int, ...], offset: int, nbytes: int, size: int, copy: bool
+) -> None:
+    meta = _raw_meta(dtype=dtype, shape=shape, offset=offset, nbytes=nbytes, path="t")
+    try:
+        (t,) = packing.unpack(bytearray(size), [meta], copy=copy)
+    except WireFormatError as exc:
+        assert str(exc).startswith("tensor 't'")
+        return
+    assert tuple(t.shape) == shape
+    assert t.numel() * t.element_size() == nbytes
+    assert offset >= 0 and offset + nbytes <= size
+
+
+@pytest.mark.parametrize(
+    "buffer",
+    [bytearray(), memoryview(bytearray()), torch.empty(0, dtype=torch.uint8)],
+    ids=["bytearray", "memoryview", "tensor"],
+)
+def test_an_empty_buffer_unpacks_empty_tensors_and_refuses_the_rest(buffer: object) -> None:
+    empty = wire.TensorMeta(dtype="int64", shape=(0, 3), offset=0, nbytes=0)
+    (t,) = packing.unpack(buffer, [empty], copy=False)  # type: ignore[arg-type]
+    assert t.shape == (0, 3)
+    one = wire.TensorMeta(dtype="int64", shape=(1,), offset=0, nbytes=8)
+    with pytest.raises(WireFormatError, match="beyond"):
+        packing.unpack(buffer, [one], copy=False)  # type: ignore[arg-type]
+
+
+def test_as_byte_tensor_views_odd_buffers_or_says_why_not() -> None:
+    ints = memoryview(bytearray(range(16))).cast("i")  # itemsize 4: still 16 bytes
+    assert packing.as_byte_tensor(ints).tolist() == list(range(16))
+    grid = memoryview(bytearray(range(12))).cast("B", (3, 4))  # 2-D, C-contiguous
+    assert packing.as_byte_tensor(grid).tolist() == list(range(12))
+    with pytest.raises(TypeError, match="contiguous"):
+        packing.as_byte_tensor(memoryview(bytearray(16))[::2])
+    with pytest.raises(TypeError, match="contiguous 1-D uint8"):
+        packing.as_byte_tensor(torch.zeros(4, dtype=torch.int32))

@@ -130,7 +130,7 @@ def test_a_broken_plugin_is_listed_as_broken_and_breaks_nothing(
 def test_policies_by_name() -> None:
     assert registry.load_policy("default").name == "default"
     assert registry.load_policy("strict").name == "strict"
-    with pytest.raises(KeyError, match=r"known: .*default"):
+    with pytest.raises(KeyError, match=r"registered: .*default"):
         registry.load_policy("nope")
 
 

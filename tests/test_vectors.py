@@ -1,4 +1,7 @@
-"""Golden vectors: the files in specs/vectors/ decode, and re-encode byte for byte.
+"""Test vectors (specs/vectors/, spec §12): positive frames decode and re-encode byte
+for byte, match the CDDL schema and a second msgpack encoder; negative ones raise
+the error the manifest names; 1.0 frames are read by this 1.1 reader; the files are
+exactly what scripts/make_vectors.py produces from the code (CI fails on drift).
 
 An accidental wire change fails here. A deliberate one regenerates the vectors
 with scripts/make_vectors.py, bumps the version and adds a CHANGELOG entry.
@@ -7,24 +10,38 @@ with scripts/make_vectors.py, bumps the version and adds a CHANGELOG entry.
 from __future__ import annotations
 
 import functools
+import hashlib
 import importlib.util
 import json
 import pathlib
+import re
 import sys
+from typing import Any
 
+import msgpack
 import msgspec
 import pytest
 import torch
+import zmq
+from zmq.utils import z85
 
-from omniwire import codec, wire
+from omniwire import codec, errors, wire
+from omniwire.backends.base import BackendContext, Locality, PeerInfo
+from omniwire.backends.shm import ShmBackend
+from omniwire.control import CurveKey
+
+import wire_cddl
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 VECTORS = ROOT / "specs" / "vectors"
 MESSAGE_FILES = sorted(p for p in VECTORS.glob("*.bin") if p.stem != "payload_header")
+BLOB_FILES = sorted((VECTORS / "blobs").glob("*.bin"))
+COMPAT_FILES = sorted((VECTORS / "compat").glob("*.bin"))
+MANIFEST = json.loads((VECTORS / "negative" / "manifest.json").read_text())["vectors"]
 
 
 @functools.cache
-def _generator():  # type: ignore[no-untyped-def]
+def _generator() -> Any:
     spec = importlib.util.spec_from_file_location(
         "make_vectors", ROOT / "scripts" / "make_vectors.py"
     )
@@ -37,31 +54,217 @@ def _generator():  # type: ignore[no-untyped-def]
 
 def test_every_message_type_has_a_vector() -> None:
     kinds = {wire.decode(p.read_bytes()).__struct_config__.tag for p in MESSAGE_FILES}
-    assert kinds == {"hello", "data_ready", "data_progress", "data_ack", "abort"}
+    assert kinds == {
+        "hello",
+        "data_ready",
+        "data_progress",
+        "data_ack",
+        "abort",
+        "goodbye",
+        "refusal",
+        "batch",
+    }
 
 
 @pytest.mark.parametrize("path", MESSAGE_FILES, ids=lambda p: p.stem)
 def test_vector_decodes_and_reencodes_byte_for_byte(path: pathlib.Path) -> None:
     frame = path.read_bytes()
+    assert frame[4:6] == bytes(wire.WIRE_VERSION)
     msg = wire.decode(frame)
     assert wire.encode(msg) == frame
     readable = json.loads(path.with_suffix(".json").read_text())
     assert json.loads(msgspec.json.encode(msg)) == readable
 
 
+@pytest.mark.parametrize("path", MESSAGE_FILES, ids=lambda p: p.stem)
+def test_vector_matches_the_cddl_schema(path: pathlib.Path) -> None:
+    wire_cddl.validate_frame(path.read_bytes())
+
+
+def test_payload_header_matches_the_cddl_schema() -> None:
+    wire_cddl.validate("payload-header", (VECTORS / "payload_header.bin").read_bytes())
+
+
+@pytest.mark.parametrize(
+    "path", [*MESSAGE_FILES, VECTORS / "payload_header.bin"], ids=lambda p: p.stem
+)
+def test_a_second_encoder_writes_the_same_bytes(path: pathlib.Path) -> None:
+    """The msgpack package, given the decoded body, writes the vector again: the
+    encoding rules of spec §2.3 (smallest forms, float64, fixext) determine it."""
+    data = path.read_bytes()
+    prefix, body = (data[:8], data[8:]) if path.stem != "payload_header" else (b"", data)
+    plain = msgpack.unpackb(body, raw=False, strict_map_key=False, use_list=False)
+    assert prefix + msgpack.packb(plain, use_bin_type=True) == data
+
+
+def test_shm_reference_in_the_ref_vector_is_the_real_form() -> None:
+    """ref.length is the end of the last tensor; the shm blob is the map omniwire
+    writes, its segment under the Hello vector's prefix, size == length."""
+    hello = wire.decode((VECTORS / "hello.bin").read_bytes())
+    msg = wire.decode((VECTORS / "data_ready_ref.bin").read_bytes())
+    assert isinstance(hello, wire.HelloMessage) and isinstance(msg, wire.DataReadyMessage)
+    ref = msg.data_ref
+    assert ref is not None
+    last = ref.tensors[-1]
+    assert ref.ref.length == last.offset + last.nbytes == 128
+    prefix = msgspec.msgpack.decode(next(b.info for b in hello.backends if b.name == "shm"))
+    assert re.fullmatch(rf"omniwire-{hello.pid}-[0-9a-f]{{8,32}}", prefix["prefix"])
+    blob = msgspec.msgpack.decode(ref.ref.info)
+    assert list(blob) == ["segment", "offset", "size", "dedicated"]
+    assert blob["segment"].startswith(prefix["prefix"] + "-")
+    assert blob["size"] == ref.ref.length
+
+
 def test_vectors_match_the_generator() -> None:
-    gen = _generator()
-    for name, msg in gen.VECTORS.items():
-        assert (VECTORS / f"{name}.bin").read_bytes() == wire.encode(msg), name
+    files = _generator().build()
+    on_disk = {str(p.relative_to(VECTORS)) for p in VECTORS.rglob("*") if p.is_file()}
+    assert on_disk == set(files), "run scripts/make_vectors.py"
+    for rel, data in files.items():
+        assert (VECTORS / rel).read_bytes() == data, f"{rel} differs: run scripts/make_vectors.py"
 
 
 def test_payload_header_vector() -> None:
     gen = _generator()
     header = (VECTORS / "payload_header.bin").read_bytes()
-    value = codec.loads(header, [torch.zeros(2)])
+    value = codec.loads(header, [torch.zeros(2), torch.arange(3, dtype=torch.uint8)])
     expected = gen.header_value()
     assert value["tensor"] is value["same_tensor"]
     assert torch.equal(value["tensor"], expected["tensor"])
+    assert value["ndarray"].tolist() == [0, 1, 2]
     assert value[(1, "key")] == "tuple key" and value["tuple"] == (1, (2, "x"))
     assert value["span"] == expected["span"]
     assert codec.dumps(value).header == header
+
+
+# -- backend blobs ---------------------------------------------------------------------
+
+
+def _blob_rule(path: pathlib.Path) -> str:
+    backend = next(b for b in wire_cddl.BLOB_RULES if path.stem.startswith(b))
+    hello_rule, ref_rule = wire_cddl.BLOB_RULES[backend]
+    return hello_rule if path.stem.endswith("_hello") else ref_rule
+
+
+@pytest.mark.parametrize("path", BLOB_FILES, ids=lambda p: p.stem)
+def test_blob_vector_matches_its_backend_and_the_schema(path: pathlib.Path) -> None:
+    import importlib
+
+    backend = next(b for b in wire_cddl.BLOB_RULES if path.stem.startswith(b))
+    module = importlib.import_module(f"omniwire.backends.{backend}")
+    decoder = module._hello_decoder if path.stem.endswith("_hello") else module._ref_decoder
+    data = path.read_bytes()
+    assert msgspec.msgpack.encode(decoder.decode(data)) == data
+    wire_cddl.validate(_blob_rule(path), data)
+    assert json.loads(path.with_suffix(".json").read_text()) == json.loads(
+        msgspec.json.encode(decoder.decode(data))
+    )
+
+
+# -- 1.0 frames -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", COMPAT_FILES, ids=lambda p: p.stem)
+def test_a_1_0_frame_is_read_with_the_1_1_defaults(path: pathlib.Path) -> None:
+    frame = path.read_bytes()
+    assert frame[4:6] == b"\x01\x00"
+    msg = wire.decode(frame)
+    assert json.loads(msgspec.json.encode(msg)) == json.loads(path.with_suffix(".json").read_text())
+
+
+# -- negative vectors --------------------------------------------------------------------
+
+
+def _shm_open(data: bytes, length: int) -> None:
+    import anyio
+
+    hello = wire.decode((VECTORS / "hello.bin").read_bytes())
+    assert isinstance(hello, wire.HelloMessage)
+    info = next(b.info for b in hello.backends if b.name == "shm")
+    peer = PeerInfo(
+        name=hello.endpoint,
+        instance=hello.instance,
+        pid=hello.pid,
+        host_id=hello.host_id,
+        process_token=hello.process_token,
+        locality=Locality.CROSS_HOST,  # no arena of our own is created
+        info=info,
+    )
+
+    async def attempt() -> None:
+        backend = ShmBackend(BackendContext(endpoint="encoder", instance=1))
+        await backend.connect(peer)
+        try:
+            await backend.import_(peer, data, length)
+        finally:
+            await backend.aclose()
+
+    anyio.run(attempt)
+
+
+def _reject(entry: dict[str, Any]) -> None:
+    data = (VECTORS / "negative" / entry["file"]).read_bytes()
+    if entry["layer"] == "wire.decode":
+        wire.decode(data)
+    elif entry["layer"] == "codec.loads":
+        codec.loads(data, [torch.zeros(1)] * entry["tensors"])
+    elif entry["layer"] == "shm.import":
+        _shm_open(data, entry["length"])
+    else:
+        raise AssertionError(f"unknown layer {entry['layer']!r}")
+
+
+@pytest.mark.parametrize("entry", MANIFEST, ids=lambda e: e["file"])
+def test_negative_vector_raises_the_named_error(entry: dict[str, Any]) -> None:
+    error = getattr(errors, entry["error"])
+    with pytest.raises(error, match=entry["match"]):
+        _reject(entry)
+
+
+def test_every_negative_vector_is_in_the_manifest() -> None:
+    files = {p.name for p in (VECTORS / "negative").glob("*.bin")}
+    assert files == {e["file"] for e in MANIFEST}
+
+
+# -- CURVE ------------------------------------------------------------------------------
+
+
+def test_curve_key_derivation_vector() -> None:
+    vector = json.loads((VECTORS / "curve.json").read_text())
+    secret = vector["auth_key"].encode()
+    data = b"omniwire-curve-v1\0" + secret
+    assert data.hex() == vector["sha256_input_hex"]
+    digest = hashlib.sha256(data).digest()
+    assert digest.hex() == vector["secret_key_hex"]
+    assert z85.encode(digest).decode() == vector["secret_key_z85"]
+    assert zmq.curve_public(vector["secret_key_z85"].encode()).decode() == vector["public_key_z85"]
+    key = CurveKey.from_shared_secret(vector["auth_key"])
+    assert (key.secret.decode(), key.public.decode()) == (
+        vector["secret_key_z85"],
+        vector["public_key_z85"],
+    )
+
+
+# -- registries ---------------------------------------------------------------------------
+
+
+def _cddl_choice(rule: str) -> set[str]:
+    text = wire_cddl.SCHEMA_PATH.read_text()
+    m = re.search(rf"^{re.escape(rule)} = \(([^)]*)\)", text, re.MULTILINE)
+    assert m is not None, rule
+    return set(re.findall(r'"([^"]+)"', m.group(1)))
+
+
+def test_schema_registries_match_the_code() -> None:
+    assert _cddl_choice("nack-reason") == wire.NACK_REASONS
+    assert _cddl_choice("refusal-code") == wire.REFUSAL_CODES
+    assert _cddl_choice("dtype") == set(wire.DTYPE_ITEMSIZE)
+
+
+def test_spec_registries_match_the_code() -> None:
+    """Every registered code, dtype and ext type appears in the spec's registry tables."""
+    spec = (ROOT / "specs" / "wire-v1.md").read_text()
+    for name in (*wire.NACK_REASONS, *wire.REFUSAL_CODES, *wire.DTYPE_ITEMSIZE):
+        assert re.search(rf"^\| (`[^`]+`, )*`{name}`[,| ]", spec, re.MULTILINE), name
+    for code in (codec.EXT_TUPLE, codec.EXT_TENSOR, codec.EXT_NDARRAY, codec.EXT_STRUCT):
+        assert re.search(rf"^\| {code} \|", spec, re.MULTILINE), code
+    assert re.search(rf"\*\*Version: {wire.WIRE_VERSION[0]}\.{wire.WIRE_VERSION[1]}\*\*", spec)

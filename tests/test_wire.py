@@ -16,7 +16,7 @@ from omniwire.errors import (
     WireFormatError,
 )
 
-from wire_strategies import acks, data_readies, hellos, messages
+from wire_strategies import acks, data_readies, goodbyes, hellos, messages, progresses, refusals
 
 
 def test_public_version_names() -> None:
@@ -29,7 +29,7 @@ def test_public_version_names() -> None:
 def test_every_message_round_trips(msg: wire.Message) -> None:
     frame = wire.encode(msg)
     assert frame[:4] == b"OWIR"
-    assert frame[4:6] == bytes([1, 0])
+    assert frame[4:6] == bytes(wire.WIRE_VERSION)
     assert wire.decode(frame) == msg
     assert wire.encode(wire.decode(frame)) == frame
 
@@ -106,7 +106,12 @@ def test_oversized_frame_rejected_both_ways() -> None:
     [
         (lambda: wire.TensorMeta(dtype="float7", shape=(1,), offset=0, nbytes=1), "float7"),
         (lambda: wire.TensorMeta(dtype="float32", shape=(2,), offset=0, nbytes=4), "needs 8"),
-        (lambda: wire.TensorMeta(dtype="int8", shape=(-1,), offset=0, nbytes=0), "negative"),
+        (lambda: wire.TensorMeta(dtype="int8", shape=(-1,), offset=0, nbytes=0), "outside"),
+        (lambda: wire.TensorMeta(dtype="int8", shape=(2**63,), offset=0, nbytes=0), "outside"),
+        (
+            lambda: wire.TensorMeta(dtype="int8", shape=(2**32, 2**32, 0), offset=0, nbytes=0),
+            "exceeds",
+        ),
         (lambda: wire.TensorMeta(dtype="int8", shape=(1,), offset=-1, nbytes=1), "offset"),
         (
             lambda: wire.DataRef(
@@ -141,6 +146,22 @@ def test_oversized_frame_rejected_both_ways() -> None:
         (lambda: _hello(endpoint=""), "endpoint"),
         (lambda: _hello(wire_min=(2, 0), wire_max=(1, 0)), "wire_min"),
         (lambda: wire.DataAckMessage(object_id=2**64, from_stage="a", to_stage="b"), "object_id"),
+        (
+            lambda: wire.DataAckMessage(
+                object_id=1, from_stage="a", to_stage="b", success=True, reason="aborted"
+            ),
+            "no reason",
+        ),
+        (lambda: wire.BatchMessage(messages=()), "carries 0"),
+        (
+            lambda: wire.BatchMessage(
+                messages=(wire.AbortMessage(request_id="r", from_stage="a"),)
+                * (wire.MAX_BATCH_MESSAGES + 1)
+            ),
+            "carries 4097",
+        ),
+        (lambda: wire.RefusalMessage(from_stage="a", code=""), "code"),
+        (lambda: wire.GoodbyeMessage(from_stage="a", instance=-1), "instance"),
     ],
 )
 def test_invalid_messages_cannot_be_built(build: object, match: str) -> None:
@@ -180,27 +201,97 @@ def test_invalid_field_in_a_frame_names_the_field() -> None:
 # -- the state table -------------------------------------------------------------
 
 
-def _session() -> wire.Session:
+Session = wire.Session[wire.OutboundObject, wire.InboundObject]
+
+
+def _session() -> Session:
     return wire.Session(local_name="b", peer_name="a")
 
 
 def test_data_before_hello_is_a_remote_protocol_error() -> None:
     s = _session()
     msg = wire.DataReadyMessage(request_id="r", from_stage="a", to_stage="b", is_done=True)
-    with pytest.raises(RemoteProtocolError, match="before its HelloMessage"):
+    with pytest.raises(RemoteProtocolError, match="before its Hello"):
         s.check(msg)
     with pytest.raises(LocalProtocolError):
         s.announce(wire.OutboundObject(1, "r", 10, 10))
+    s.check(wire.RefusalMessage(from_stage="a", code="version"))  # legal before a Hello
+
+
+@pytest.mark.parametrize(
+    ("theirs", "expected"),
+    [
+        (((1, 0), (1, 0)), (1, 0)),
+        (((1, 0), (1, 1)), (1, 1)),
+        (((1, 0), (1, 9)), (1, 1)),  # a newer minor: ours is the highest common
+        (((1, 1), (3, 0)), (1, 1)),
+        (((0, 5), (1, 0)), (1, 0)),
+        (((2, 0), (3, 0)), None),  # no common major
+        (((0, 0), (0, 9)), None),
+    ],
+)
+def test_negotiate_picks_the_highest_common_version(
+    theirs: tuple[tuple[int, int], tuple[int, int]], expected: tuple[int, int] | None
+) -> None:
+    assert wire.negotiate(_hello(wire_min=theirs[0], wire_max=theirs[1])) == expected
+
+
+def test_session_records_the_negotiated_version() -> None:
+    s = _session()
+    s.on_hello(_hello(wire_max=(1, 0)))
+    assert s.version == (1, 0)
+    s.on_hello(_hello(wire_max=(1, 5), instance=8))
+    assert s.version == (1, 1)
+
+
+def test_goodbye_closes_the_session_and_returns_every_object() -> None:
+    s = _session()
+    s.on_hello(_hello())
+    s.announce(wire.OutboundObject(1, "r", 10, 10))
+    s.on_data_ready(_ref_ready(3), wire.InboundObject(3, "r", 100, 100))
+    with pytest.raises(RemoteProtocolError, match="instance 6"):
+        s.on_goodbye(wire.GoodbyeMessage(from_stage="a", instance=6))
+    assert s.state is wire.PeerState.ACTIVE
+    out, inb = s.on_goodbye(wire.GoodbyeMessage(from_stage="a", instance=7))
+    assert ([o.object_id for o in out], [i.object_id for i in inb]) == ([1], [3])
+    assert s.state is wire.PeerState.CLOSED and not s.outbound and not s.inbound
+    with pytest.raises(RemoteProtocolError, match="after its Goodbye"):
+        s.check(wire.DataAckMessage(object_id=1, from_stage="a", to_stage="b"))
+    with pytest.raises(LocalProtocolError):
+        s.announce(wire.OutboundObject(2, "r", 10, 10))
+    assert s.on_hello(_hello())[0] is wire.HelloOutcome.NEW  # a new session
+
+
+def test_reset_after_loss_returns_every_object_and_awaits_a_hello() -> None:
+    s = _session()
+    s.on_hello(_hello())
+    s.announce(wire.OutboundObject(1, "r", 10, 10))
+    out, inb = s.reset()
+    assert [o.object_id for o in out] == [1] and inb == []
+    assert s.state is wire.PeerState.AWAITING_HELLO and s.hello is None
+    assert s.on_hello(_hello())[0] is wire.HelloOutcome.NEW
+
+
+def _ref_ready(object_id: int, ready: int | None = None) -> wire.DataReadyMessage:
+    ref = wire.DataRef(
+        object_id=object_id,
+        kind="payload",
+        backend="shm",
+        layout="packed",
+        ref=wire.BackendRef(backend="shm", length=100),
+        ready=ready,
+    )
+    return wire.DataReadyMessage(request_id="r", from_stage="a", to_stage="b", data_ref=ref)
 
 
 def test_hello_outcomes_and_restart_returns_old_objects() -> None:
     s = _session()
     outcome, _, _ = s.on_hello(_hello())
-    assert outcome is wire._state.HelloOutcome.NEW
+    assert outcome is wire.HelloOutcome.NEW
     s.announce(wire.OutboundObject(1, "r", 10, 10))
-    assert s.on_hello(_hello())[0] is wire._state.HelloOutcome.DUPLICATE
+    assert s.on_hello(_hello())[0] is wire.HelloOutcome.DUPLICATE
     outcome, lost_out, _ = s.on_hello(_hello(instance=8))
-    assert outcome is wire._state.HelloOutcome.RESTART
+    assert outcome is wire.HelloOutcome.RESTART
     assert [o.object_id for o in lost_out] == [1]
     assert s.outbound == {}
 
@@ -225,17 +316,7 @@ def test_acks_must_match_objects_in_flight() -> None:
 def test_progress_must_move_forward_within_length() -> None:
     s = _session()
     s.on_hello(_hello())
-    ref = wire.DataRef(
-        object_id=3,
-        kind="payload",
-        backend="shm",
-        layout="packed",
-        ref=wire.BackendRef(backend="shm", length=100),
-        ready=10,
-    )
-    s.on_data_ready(
-        wire.DataReadyMessage(request_id="r", from_stage="a", to_stage="b", data_ref=ref)
-    )
+    s.on_data_ready(_ref_ready(3, ready=10), wire.InboundObject(3, "r", 100, 10))
     prog = wire.DataProgressMessage(object_id=3, from_stage="a", to_stage="b", ready=50)
     assert s.on_progress(prog).ready == 50
     for bad in (40, 101):
@@ -246,24 +327,79 @@ def test_progress_must_move_forward_within_length() -> None:
     with pytest.raises(RemoteProtocolError, match="unknown object"):
         s.on_progress(wire.DataProgressMessage(object_id=4, from_stage="a", to_stage="b", ready=1))
     with pytest.raises(RemoteProtocolError, match="twice"):
-        s.on_data_ready(
-            wire.DataReadyMessage(request_id="r", from_stage="a", to_stage="b", data_ref=ref)
+        s.on_data_ready(_ref_ready(3), wire.InboundObject(3, "r", 100, 100))
+
+
+def _apply(s: Session, msg: wire.Message) -> None:
+    if isinstance(msg, wire.HelloMessage):
+        s.on_hello(msg)
+    elif isinstance(msg, wire.DataReadyMessage):
+        ref = msg.data_ref
+        record = (
+            None
+            if ref is None
+            else wire.InboundObject(
+                ref.object_id,
+                msg.request_id,
+                ref.ref.length,
+                ref.ref.length if ref.ready is None else ref.ready,
+            )
         )
+        s.on_data_ready(msg, record)
+    elif isinstance(msg, wire.DataAckMessage):
+        s.on_ack(msg)
+    elif isinstance(msg, wire.DataProgressMessage):
+        s.on_progress(msg)
+    elif isinstance(msg, wire.GoodbyeMessage):
+        s.on_goodbye(msg)
+    else:
+        s.check(msg)
 
 
-@given(hellos, st.lists(st.one_of(data_readies(), acks), max_size=8))
+@given(
+    hellos,
+    st.lists(st.one_of(data_readies(), acks, progresses, goodbyes, refusals, hellos), max_size=8),
+)
 def test_state_table_is_total(hello: wire.HelloMessage, msgs: list[wire.Message]) -> None:
     """Every (state, message) pair either applies or raises a protocol error;
     an error leaves the state unchanged."""
-    s = wire.Session(local_name="b", peer_name=hello.endpoint)
+    s: Session = wire.Session(local_name="b", peer_name=hello.endpoint)
     for msg in msgs:
+        if isinstance(msg, wire.HelloMessage):
+            msg = msgspec.structs.replace(msg, endpoint=hello.endpoint)
+        elif isinstance(msg, wire.GoodbyeMessage) and s.hello is not None:
+            msg = msgspec.structs.replace(msg, instance=s.hello.instance)
         before = (s.state, dict(s.inbound), dict(s.outbound))
         try:
-            if isinstance(msg, wire.DataReadyMessage):
-                s.on_data_ready(msg)
-            else:
-                s.on_ack(msg)  # type: ignore[arg-type]
+            _apply(s, msg)
         except RemoteProtocolError:
             assert (s.state, dict(s.inbound), dict(s.outbound)) == before
     s.on_hello(hello)
     assert s.state is wire.PeerState.ACTIVE
+
+
+def test_a_batch_cannot_carry_a_hello_goodbye_refusal_or_batch() -> None:
+    ack = {"type": "data_ack", "object_id": 1, "from_stage": "a", "to_stage": "b"}
+    for inner in (
+        msgspec.to_builtins(_hello()) | {"type": "hello"},
+        {"type": "goodbye", "from_stage": "a", "instance": 1},
+        {"type": "refusal", "from_stage": "a", "code": "version"},
+        {"type": "batch", "messages": [ack]},
+    ):
+        body = msgspec.msgpack.encode({"type": "batch", "messages": [ack, inner]})
+        with pytest.raises(WireFormatError, match="invalid message"):
+            wire.decode(b"OWIR\x01\x01\x00\x00" + body)
+    body = msgspec.msgpack.encode({"type": "batch", "messages": [ack]})
+    assert wire.decode(b"OWIR\x01\x01\x00\x00" + body) == wire.BatchMessage(
+        messages=(wire.DataAckMessage(object_id=1, from_stage="a", to_stage="b"),)
+    )
+
+
+def test_1_1_fields_default_when_a_1_0_writer_omits_them() -> None:
+    hello = {k: v for k, v in msgspec.to_builtins(_hello()).items() if k != "to_endpoint"}
+    frame = b"OWIR\x01\x00\x00\x00" + msgspec.msgpack.encode({"type": "hello", **hello})
+    assert wire.decode(frame) == _hello()
+    body = {"type": "data_ack", "object_id": 1, "from_stage": "a", "to_stage": "b"}
+    body |= {"success": False, "error": "x"}
+    msg = wire.decode(b"OWIR\x01\x00\x00\x00" + msgspec.msgpack.encode(body))
+    assert isinstance(msg, wire.DataAckMessage) and msg.reason is None

@@ -56,7 +56,10 @@ def data_refs(draw: st.DrawFn) -> wire.DataRef:
 def inline_chunks(draw: st.DrawFn) -> wire.InlineStreamChunkRef:
     metas, end = draw(tensor_tables())
     return wire.InlineStreamChunkRef(
-        header=draw(st.binary(max_size=32)), tensors=metas, data=bytes(end)
+        header=draw(st.binary(max_size=32)),
+        tensors=metas,
+        data=bytes(end),
+        kind=draw(st.sampled_from(["stream_chunk", "payload"])),
     )
 
 
@@ -81,6 +84,7 @@ hellos = st.builds(
         st.builds(wire.BackendInfo, name=names, info=st.binary(max_size=32)), max_size=3
     ).map(tuple),
     is_reply=st.booleans(),
+    to_endpoint=st.just("") | names,
 )
 
 
@@ -97,20 +101,49 @@ def data_readies(draw: st.DrawFn) -> wire.DataReadyMessage:
         is_done=which == "done" or draw(st.booleans()),
         error=draw(texts) if which == "error" else None,
         metadata=draw(st.binary(max_size=16)),
+        traceparent=draw(st.just("") | texts),
     )
 
 
 progresses = st.builds(
     wire.DataProgressMessage, object_id=u64, from_stage=names, to_stage=names, ready=u64
 )
+nack_reasons = st.sampled_from(sorted(wire.NACK_REASONS)) | names  # unknown codes are legal
 acks = st.builds(
     wire.DataAckMessage,
     object_id=u64,
     from_stage=names,
     to_stage=names,
-    success=st.booleans(),
+    success=st.just(True),
+    error=st.none(),
+) | st.builds(
+    wire.DataAckMessage,
+    object_id=u64,
+    from_stage=names,
+    to_stage=names,
+    success=st.just(False),
     error=st.none() | texts,
+    reason=st.none() | nack_reasons,
 )
-aborts = st.builds(wire.AbortMessage, request_id=names, from_stage=names, reason=texts)
+aborts = st.builds(
+    wire.AbortMessage,
+    request_id=names,
+    from_stage=names,
+    reason=texts,
+    origin=st.just("") | names,
+)
+goodbyes = st.builds(wire.GoodbyeMessage, from_stage=names, instance=u64, reason=texts)
+refusals = st.builds(
+    wire.RefusalMessage,
+    from_stage=names,
+    to_stage=st.just("") | names,
+    code=st.sampled_from(sorted(wire.REFUSAL_CODES)) | names,
+    detail=texts,
+    addressed=st.just("") | names,
+)
+batchable = st.one_of(data_readies(), progresses, acks, aborts)
+batches = st.builds(
+    wire.BatchMessage, messages=st.lists(batchable, min_size=1, max_size=4).map(tuple)
+)
 
-messages = st.one_of(hellos, data_readies(), progresses, acks, aborts)
+messages = st.one_of(hellos, data_readies(), progresses, acks, aborts, goodbyes, refusals, batches)

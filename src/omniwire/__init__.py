@@ -26,7 +26,7 @@ from .wire import WIRE_VERSION
 
 if TYPE_CHECKING:
     from .delivery import Delivery, SendReceipt
-    from .endpoint import Endpoint
+    from .endpoint import DeliveryStream, Endpoint
 
 __all__ = [
     "WIRE_VERSION",
@@ -34,6 +34,7 @@ __all__ = [
     "BackendError",
     "BackendUnavailableError",
     "Delivery",
+    "DeliveryStream",
     "Endpoint",
     "EndpointClosedError",
     "HandshakeError",
@@ -48,7 +49,12 @@ __all__ = [
 ]
 __version__ = "0.1.0"
 
-_LAZY = {"Endpoint": "endpoint", "Delivery": "delivery", "SendReceipt": "delivery"}
+_LAZY = {
+    "Endpoint": "endpoint",
+    "DeliveryStream": "endpoint",
+    "Delivery": "delivery",
+    "SendReceipt": "delivery",
+}
 
 
 def __getattr__(name: str) -> Any:

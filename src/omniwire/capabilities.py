@@ -42,6 +42,10 @@ class Capabilities:
             the endpoint may take it on its receive loop.
         two_sided: every announced object must be imported, in announce order, even
             one the receiver refuses (a send must meet its receive, as in NCCL).
+        shared_refs: one export's reference may be imported by several peers: a
+            fan-out (``send([a, b], ...)``) packs once into one buffer that every
+            target reads, released when the last one acknowledges. Without it a
+            fan-out makes one export per target (still encoding once).
         opt_in: routed only when configured for an edge or chosen by a policy
             (e.g. it needs a process group); the reason says what to configure.
         needs_gpu_peer_access: both ends must be GPUs that can access each other.
@@ -58,6 +62,7 @@ class Capabilities:
     zero_copy: bool = False
     mapped: bool = False
     two_sided: bool = False
+    shared_refs: bool = False
     opt_in: str | None = None
     needs_gpu_peer_access: bool = False
     preference: int = 0
@@ -73,6 +78,7 @@ class Capabilities:
             ("zero-copy", self.zero_copy),
             ("mapped", self.mapped),
             ("two-sided", self.two_sided),
+            ("shared-refs", self.shared_refs),
             ("needs-gpu-peer-access", self.needs_gpu_peer_access),
         )
         parts += [name for name, on in flags if on]

@@ -1,4 +1,4 @@
-"""The ``omniwire`` console script: ``demo``, ``backends``, ``bench``."""
+"""The ``omniwire`` console script: ``demo``, ``backends``, ``bench``, ``peer``."""
 
 from __future__ import annotations
 
@@ -44,15 +44,28 @@ def _demo(args: argparse.Namespace) -> int:
         argv.append("--remote")
     if args.backend:
         argv += ["--backend", args.backend]
+    if args.verbose:
+        argv.append("--verbose")
     return demo.main(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
+    from . import WIRE_VERSION, __version__
+
+    wire_version = ".".join(map(str, WIRE_VERSION))
     parser = argparse.ArgumentParser(
         prog="omniwire",
         description="Move tensor-bearing payloads between the stages of an inference pipeline.",
     )
-    parser.add_argument("-v", "--verbose", action="store_true", help="log routing decisions")
+    parser.add_argument(
+        "-V", "--version", action="version", version=f"omniwire {__version__} (wire {wire_version})"
+    )
+    parser.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        help="log routing decisions (and show the engines' own log lines)",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("demo", help="run a small pipeline and show which backend carried what")
     p.add_argument("--explain", action="store_true", help="show every candidate and why it lost")
@@ -66,12 +79,21 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("backends", help="list every registered backend, available or why not")
     p.set_defaults(func=_backends)
     sub.add_parser("bench", help="throughput and latency per backend and size (omniwire bench -h)")
+    sub.add_parser(
+        "peer",
+        help="run a reference endpoint (echo or sink) for foreign implementations (omniwire peer -h)",
+    )
     argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] == "bench":  # bench has its own parser
+    if argv and argv[0] in ("bench", "peer"):  # each has its own parser
         logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-        from . import bench
+        if argv[0] == "bench":
+            from . import bench
 
-        return bench.main(argv[1:])
+            return bench.main(argv[1:])
+        from . import peer
+
+        peer.main(argv[1:], prog="omniwire peer")  # exits with the peer's status
+        return 0
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING,

@@ -23,8 +23,8 @@ anything, with opt-in      ext 5: pickle bytes (see ``allow_pickle``)
 Dict keys may be None, bool, int, float, str, bytes or tuples of those; a tuple
 key is a plain msgpack array, which a reader always rebuilds as a tuple. The same
 tensor object appearing twice is stored once and comes back as one object.
-Anything else is a ``TypeError`` at the sender naming its path, e.g.
-``payload["a"][2]``. Pickle is refused unless *both* sides opt in.
+Anything else — sets included (send a list or a tuple) — is a ``TypeError`` at
+the sender naming its path, e.g. ``payload["a"][2]``. Pickle is refused unless *both* sides opt in.
 """
 
 from __future__ import annotations
@@ -224,6 +224,8 @@ class _Dumper:
             hint = " (register it with omniwire.codec.register_type)"
         elif isinstance(value, np.generic):
             hint = " (convert numpy scalars with .item())"
+        elif isinstance(value, set | frozenset):
+            hint = " (send a list or a tuple: sets have no wire encoding)"
         raise TypeError(
             f"{_format_path(path)}: values of type {kind.__qualname__} cannot be sent{hint}"
         )

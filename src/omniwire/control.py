@@ -2,9 +2,15 @@
 
 Each endpoint binds one PULL socket (its ``address``) that every peer PUSHes
 frames into, and one PUB socket for aborts that every peer's SUB listens to. It
-connects one PUSH and one SUB per peer. ``ipc://`` on one host, ``tcp://``
-across hosts. The control plane does not decode frames and knows nothing of
-backends; it reports connection events so the endpoint can tell a dead peer.
+connects one PUSH per peer and its one SUB to every peer's PUB. ``ipc://`` on one
+host, ``tcp://`` across hosts. The control plane does not decode frames and knows
+nothing of backends; it reports connection events so the endpoint can tell a dead
+peer, and how long a peer has taken no frame so it can tell a hung one.
+
+Every address is checked by :func:`parse_address` before ZeroMQ sees it, and no
+``ZMQError`` leaves a public method: a bad address is an :class:`AddressError`, a
+served one an :class:`AddressInUseError`, a closed plane an
+:class:`EndpointClosedError`.
 
 Authentication (optional): with a shared key every socket runs ZMQ CURVE
 (encrypted, authenticated); the bound sockets accept only clients that present
@@ -14,14 +20,23 @@ deliver nothing — no DataReady, no ACK, no abort.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import enum
+import errno
 import hashlib
+import ipaddress
 import logging
 import os
-from collections.abc import AsyncIterator
+import re
+import socket
+import stat
+import threading
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, cast
 
 import zmq
 import zmq.asyncio
@@ -29,16 +44,227 @@ import zmq.auth.asyncio
 from zmq.utils import z85
 from zmq.utils.monitor import parse_monitor_message
 
-from .errors import EndpointClosedError, OmniwireError
+from ._ratelimit import TokenBucket
+from .errors import (
+    AddressError,
+    AddressInUseError,
+    EndpointClosedError,
+    EndpointNotStartedError,
+    OmniwireError,
+    PeerLostError,
+    PeerUnresponsiveError,
+)
 from .wire import MAX_FRAME_SIZE
 
-__all__ = ["ControlPlane", "CurveKey", "PeerEvent"]
+__all__ = ["Address", "ControlPlane", "CurveKey", "PeerEvent", "parse_address"]
 
 log = logging.getLogger("omniwire.control")
 
 #: ZMQ drops a connection that sends a larger message, before it reaches memory.
 #: Frames between MAX_FRAME_SIZE and this are received and refused by the decoder.
 _ZMQ_MAX_MSG = 2 * MAX_FRAME_SIZE
+
+#: sizeof(sockaddr_un.sun_path) - 1: the longest ipc path libzmq binds or connects.
+IPC_PATH_MAX: int = getattr(zmq, "IPC_PATH_MAX_LEN", 107) or 107
+#: The PUB socket binds ``<path>.abort``, so a bound ipc path leaves room for it.
+ABORT_SUFFIX = ".abort"
+#: No usable address is longer (a 253-byte host name, brackets, a port).
+MAX_ADDRESS_LENGTH = 512
+
+_WILDCARD_HOSTS = ("*", "0.0.0.0", "::")
+_HOSTNAME = re.compile(
+    r"(?=.{1,253}\Z)[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?"
+    r"(?:\.[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?)*\.?\Z"
+)
+_PORT = re.compile(r"[0-9]{1,5}\Z")
+
+_LINGER_MS = 500
+_SEND_ONCE_LINGER_MS = 200
+
+
+# -- addresses ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Address:
+    """A control address omniwire can hand to ZeroMQ, in parts.
+
+    ``ipc``: ``path`` is a filesystem path (absolute, or relative to the working
+    directory) or ``@name`` (Linux abstract namespace: no file). ``tcp``: ``host``
+    is a host name, an IPv4 address or an IPv6 address (without brackets), or ``*``;
+    ``port`` is 1–65535, or 0 for "any free port" (bind only). ``str()`` gives the
+    canonical form.
+    """
+
+    scheme: Literal["ipc", "tcp"]
+    path: str = ""
+    host: str = ""
+    port: int = 0
+
+    def __str__(self) -> str:
+        if self.scheme == "ipc":
+            return f"ipc://{self.path}"
+        host = f"[{self.host}]" if self.is_ipv6 else self.host
+        return f"tcp://{host}:{self.port or '*'}"
+
+    @property
+    def is_ipv6(self) -> bool:
+        """A tcp address whose host is an IPv6 literal (ZeroMQ needs ``IPV6`` for it)."""
+        return self.scheme == "tcp" and ":" in self.host
+
+    @property
+    def is_wildcard(self) -> bool:
+        """A tcp address on every interface (``*``, ``0.0.0.0``, ``[::]``)."""
+        return self.scheme == "tcp" and self.host in _WILDCARD_HOSTS
+
+    @property
+    def file(self) -> str | None:
+        """The socket file an ipc address binds (None for tcp and abstract names)."""
+        if self.scheme == "ipc" and not self.path.startswith("@"):
+            return self.path
+        return None
+
+    def abort_address(self) -> Address:
+        """Where the PUB socket for aborts binds: beside the ipc path, or the same
+        host on any free tcp port."""
+        if self.scheme == "ipc":
+            return Address("ipc", path=self.path + ABORT_SUFFIX)
+        return Address("tcp", host=self.host, port=0)
+
+
+def _shown(text: str) -> str:
+    return repr(text if len(text) <= 120 else text[:120] + "…")
+
+
+def parse_address(text: str, *, what: str = "address", bind: bool = False) -> Address:
+    """Check a control address and split it into an :class:`Address`.
+
+    Accepted: ``ipc:///abs/path``, ``ipc://relative/path``, ``ipc://@abstract``, and
+    ``tcp://host:port`` with a host name, an IPv4 address or a bracketed IPv6
+    address (``tcp://[::1]:5555``). With ``bind=True`` (an address to bind) also the
+    port ``*`` or ``0`` (any free port), the wildcard hosts ``*``, ``0.0.0.0`` and
+    ``[::]``, and the ipc path must leave room for the ``.abort`` suffix of the
+    abort socket beside it (at most ``IPC_PATH_MAX - 6`` = 101 bytes; 107 to connect).
+
+    Args:
+        text: the address.
+        what: what the address is, for the error message ("peer 'b' address").
+        bind: whether the address is to be bound (else connected to).
+
+    Returns:
+        The parsed address; ``str()`` of it is the canonical form.
+
+    Raises:
+        AddressError: the address is not one ZeroMQ can use as asked; the message
+            names ``what``, the value and why (unknown scheme, ``ipc:/x``, an empty
+            or too long ipc path, ``ipc://*``, a bad, missing or — to connect —
+            ephemeral port, a wildcard host to connect to, an IPv6 address without
+            brackets, a control character, an absurd length).
+    """
+
+    def bad(why: str) -> AddressError:
+        return AddressError(f"{what} {_shown(text)} is not a usable control address: {why}")
+
+    if not isinstance(text, str):
+        raise AddressError(f"{what} must be a string like 'ipc:///path', not {type(text).__name__}")
+    if len(text) > MAX_ADDRESS_LENGTH:
+        raise bad(f"it is {len(text)} characters long (limit {MAX_ADDRESS_LENGTH})")
+    if not text.isprintable():
+        raise bad("it contains a control or non-printing character")
+    scheme, sep, rest = text.partition("://")
+    if not sep:
+        if re.match(r"(ipc|tcp):/?[^/]", text):
+            raise bad(
+                f"write {text[:3]}:// (two slashes), e.g. 'ipc:///tmp/x' or 'tcp://host:5555'"
+            )
+        raise bad("it has no scheme: use 'ipc:///path' on one host or 'tcp://host:port'")
+    if scheme == "ipc":
+        return _parse_ipc(rest, bind, bad)
+    if scheme == "tcp":
+        return _parse_tcp(rest, bind, bad)
+    raise bad(f"scheme {scheme!r} is not one omniwire uses (ipc, tcp)")
+
+
+def _parse_ipc(path: str, bind: bool, bad: Callable[[str], AddressError]) -> Address:
+    if not path:
+        raise bad("the ipc path is empty")
+    if path == "*":
+        raise bad("ipc://* (a random path) cannot be advertised: name a path")
+    try:
+        size = len(path.encode())
+    except UnicodeEncodeError:
+        raise bad("the ipc path is not valid UTF-8") from None
+    limit = IPC_PATH_MAX - len(ABORT_SUFFIX) if bind else IPC_PATH_MAX
+    if size > limit:
+        why = f" (with room for {ABORT_SUFFIX!r})" if bind else ""
+        raise bad(f"the ipc path is {size} bytes; a unix socket path holds at most {limit}{why}")
+    if path.endswith("/"):
+        raise bad("the ipc path names a directory")
+    return Address("ipc", path=path)
+
+
+def _parse_tcp(rest: str, bind: bool, bad: Callable[[str], AddressError]) -> Address:
+    if rest.startswith("["):
+        host, sep, port = rest[1:].partition("]")
+        if not sep or not port.startswith(":"):
+            raise bad("write an IPv6 address as [addr]:port")
+        port = port[1:]
+        try:
+            host = str(ipaddress.IPv6Address(host))
+        except ValueError:
+            raise bad("the host in brackets is not an IPv6 address") from None
+    else:
+        host, sep, port = rest.rpartition(":")
+        if not sep:
+            raise bad("the port is missing: tcp://host:port")
+        if ":" in host:
+            raise bad("write an IPv6 address in brackets: tcp://[addr]:port")
+        if not host:
+            raise bad("the host is missing: tcp://host:port")
+        if host != "*" and not _HOSTNAME.match(host):
+            raise bad("the host is not a host name or an IP address")
+        if re.fullmatch(r"[0-9.]+", host):
+            try:
+                ipaddress.IPv4Address(host)
+            except ValueError:
+                raise bad("the host is not an IPv4 address") from None
+    if host in _WILDCARD_HOSTS and not bind:
+        raise bad(f"the host {host!r} means every interface: it can be bound, not connected to")
+    if port in ("*", "0"):
+        if not bind:
+            raise bad("a port to connect to cannot be '*' or 0")
+        return Address("tcp", host=host, port=0)
+    if not _PORT.match(port) or not 1 <= int(port) <= 65535:
+        raise bad("the port is not a number from 1 to 65535")
+    return Address("tcp", host=host, port=int(port))
+
+
+def primary_ip() -> str:
+    """This host's address as others see it (the route to a public address), or loopback."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect(("192.0.2.1", 9))  # no packet is sent: this only picks a route
+            return str(probe.getsockname()[0])
+    except OSError:
+        return "127.0.0.1"
+
+
+def advertised(address: str) -> str:
+    """A bound address as peers should dial it: a wildcard host becomes this host's IP;
+    a relative ipc path becomes absolute (other processes have other working
+    directories) where the absolute path still fits a unix socket address."""
+    if address.startswith("tcp://"):
+        host, _, port = address[len("tcp://") :].rpartition(":")
+        if host in ("0.0.0.0", "*", "[::]", "::"):
+            return f"tcp://{primary_ip()}:{port}"
+    elif address.startswith("ipc://") and not address.startswith(("ipc:///", "ipc://@")):
+        absolute = os.path.abspath(address[len("ipc://") :])
+        if len(absolute.encode()) <= IPC_PATH_MAX:
+            return f"ipc://{absolute}"
+    return address
+
+
+# -- keys and events -------------------------------------------------------------------
 
 
 class PeerEvent(enum.Enum):
@@ -73,44 +299,82 @@ class _AllowOne:
         return key == self.public
 
 
-def ipc_path(address: str) -> str | None:
-    return address[len("ipc://") :] if address.startswith("ipc://") else None
+class _MonitorClosed(Exception):
+    """Set on a pending monitor read when its socket is released."""
 
 
-def derive_abort_address(address: str) -> str:
-    """Where the PUB socket binds: beside the ipc path, or a free tcp port."""
-    path = ipc_path(address)
-    if path is not None:
-        return f"ipc://{path}.abort"
-    if address.startswith("tcp://"):
-        host = address[len("tcp://") :].rsplit(":", 1)[0]
-        return f"tcp://{host}:*"
-    raise OmniwireError(f"unsupported control address {address!r}: use ipc:// or tcp://")
+# -- ipc socket files ------------------------------------------------------------------
 
 
-def primary_ip() -> str:
-    """This host's address as others see it (the route to a public address), or loopback."""
-    import socket
+def _probe_ipc(addr: Address, what: str) -> None:
+    """Refuse an ipc address another process serves, before ZeroMQ binds it: libzmq's
+    ipc bind unlinks whatever is at the path, silently stealing a live endpoint's
+    address. A socket file nobody listens on (a crashed process's) is removed.
 
+    Raises:
+        AddressInUseError: a process accepts connections there.
+        AddressError: the path exists and is not a socket, or cannot be checked.
+    """
+    path = addr.path
+    target = "\0" + path[1:] if path.startswith("@") else path
+    if addr.file is not None:
+        try:
+            mode = os.lstat(path).st_mode
+        except FileNotFoundError:
+            return
+        except OSError as exc:
+            raise AddressError(f"{what} {str(addr)!r}: cannot check {path!r}: {exc}") from exc
+        if not stat.S_ISSOCK(mode):
+            raise AddressError(
+                f"{what} {str(addr)!r}: {path!r} exists and is not a socket "
+                "(binding would delete it)"
+            )
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.setblocking(False)
+        try:
+            probe.connect(target)
+        except (ConnectionRefusedError, FileNotFoundError):
+            if addr.file is not None:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)  # stale: its process is gone
+                log.info("removed the stale socket file %s", path)
+            return
+        except BlockingIOError:
+            pass  # a listener with a full backlog: in use
+        except OSError as exc:
+            raise AddressError(f"{what} {str(addr)!r}: cannot check {path!r}: {exc}") from exc
+    raise AddressInUseError(f"{what} {str(addr)!r} is in use: a live process listens on it")
+
+
+def _file_id(path: str) -> tuple[int, int] | None:
     try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-            probe.connect(("192.0.2.1", 9))  # no packet is sent: this only picks a route
-            return str(probe.getsockname()[0])
+        st = os.lstat(path)
     except OSError:
-        return "127.0.0.1"
+        return None
+    return st.st_dev, st.st_ino
 
 
-def advertised(address: str) -> str:
-    """A bound address as peers should dial it: a wildcard host becomes this host's IP."""
-    if address.startswith("tcp://"):
-        host, _, port = address[len("tcp://") :].rpartition(":")
-        if host in ("0.0.0.0", "*", "[::]", "::"):
-            return f"tcp://{primary_ip()}:{port}"
-    return address
+# -- the sockets -----------------------------------------------------------------------
 
 
 class ControlPlane:
-    """Sockets of one endpoint. Not thread-safe: use it from the event loop."""
+    """Sockets of one endpoint. Not thread-safe: use it from the event loop thread.
+
+    Lifecycle: construct (checks the address), ``await start()`` (binds), then
+    ``connect``/``send``/``recv``..., then ``close()`` or ``await aclose()``.
+
+    Args:
+        address: where to bind the PULL socket (see :func:`parse_address`).
+        key: CURVE key pair for every socket, or None.
+        heartbeat_interval: ZMTP heartbeat interval (s).
+        heartbeat_timeout: ZMTP heartbeat timeout and TTL (s).
+        send_once_rate: frames per second :meth:`send_once` may send (token bucket).
+        send_once_burst: the bucket's size.
+        send_once_max_live: transient sockets that may linger at once.
+
+    Raises:
+        AddressError: ``address`` is malformed (at construction, nothing created).
+    """
 
     def __init__(
         self,
@@ -119,29 +383,55 @@ class ControlPlane:
         key: CurveKey | None = None,
         heartbeat_interval: float = 1.0,
         heartbeat_timeout: float = 3.0,
+        send_once_rate: float = 20.0,
+        send_once_burst: int = 20,
+        send_once_max_live: int = 20,
     ) -> None:
-        self.address = address
-        self.abort_address = derive_abort_address(address)
+        self._bind_addr = parse_address(address, what="address", bind=True)
+        self._abort_addr = self._bind_addr.abort_address()
+        #: The bound address (the real port once started), as peers dial it.
+        self.address = str(self._bind_addr)
+        #: Where the PUB socket for aborts is bound.
+        self.abort_address = str(self._abort_addr)
         self.key = key
         self._hb = (int(heartbeat_interval * 1000), int(heartbeat_timeout * 1000))
-        self._ctx = zmq.asyncio.Context()
+        self._ctx: zmq.asyncio.Context | None = None
         self._auth: zmq.auth.asyncio.AsyncioAuthenticator | None = None
+        self._sockets: set[zmq.Socket[Any]] = set()  # every socket still open
+        self._files: list[tuple[str, tuple[int, int] | None]] = []  # ipc files we bound
         self._pull: zmq.asyncio.Socket | None = None
         self._pub: zmq.asyncio.Socket | None = None
         self._sub: zmq.asyncio.Socket | None = None
         self._push: dict[str, zmq.asyncio.Socket] = {}
         self._monitors: dict[str, zmq.asyncio.Socket] = {}
-        self._subscribed: set[str] = set()
+        self._subscriptions: dict[str, str] = {}  # peer -> abort address
+        self._sub_refs: dict[str, int] = {}  # abort address -> peers subscribed
         self._waiting: dict[str, int] = {}  # async sends in progress, per peer
-        self._closed = False
+        self._blocked: dict[str, float] = {}  # peer -> since when its sends wait
+        self._pending: dict[str, set[asyncio.Future[Any]]] = {}  # peer -> send futures
+        self._reads: set[asyncio.Future[Any]] = set()  # pending recv / recv_abort
+        self._monitor_reads: dict[str, asyncio.Future[Any]] = {}
+        self._once_bucket = TokenBucket(send_once_rate, send_once_burst)
+        self._once_max_live = send_once_max_live
+        self._once_lingering: deque[float] = deque()  # when each transient socket is gone
+        #: What :meth:`send_once` did: ``sent``, ``rate_limited``, ``invalid``, ``failed``.
+        self.send_once_counts: dict[str, int] = dict.fromkeys(
+            ("sent", "rate_limited", "invalid", "failed"), 0
+        )
+        self._loop_thread: int | None = None
+        self._state: Literal["new", "open", "closed"] = "new"
 
-    def _options(self, sock: zmq.Socket[Any], *, server: bool) -> None:
-        sock.setsockopt(zmq.LINGER, 500)
+    # -- helpers
+
+    def _options(self, sock: zmq.Socket[Any], *, server: bool, ipv6: bool) -> None:
+        sock.setsockopt(zmq.LINGER, _LINGER_MS)
         sock.setsockopt(zmq.MAXMSGSIZE, _ZMQ_MAX_MSG)
         sock.setsockopt(zmq.HEARTBEAT_IVL, self._hb[0])
         sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, self._hb[1])
         sock.setsockopt(zmq.HEARTBEAT_TTL, self._hb[1])
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+        if ipv6:
+            sock.setsockopt(zmq.IPV6, 1)
         if self.key is not None:
             sock.curve_secretkey = self.key.secret
             sock.curve_publickey = self.key.public
@@ -150,54 +440,218 @@ class ControlPlane:
             else:
                 sock.curve_serverkey = self.key.public
 
+    def _socket(self, kind: int, *, server: bool, ipv6: bool = False) -> zmq.asyncio.Socket:
+        assert self._ctx is not None
+        sock = self._ctx.socket(kind)
+        self._sockets.add(sock)
+        try:
+            self._options(sock, server=server, ipv6=ipv6)
+        except zmq.ZMQError:
+            self._close_socket(sock, 0)
+            raise
+        return sock
+
+    def _close_socket(self, sock: zmq.Socket[Any] | None, linger: int | None = 0) -> None:
+        if sock is None:
+            return
+        self._sockets.discard(sock)
+        with contextlib.suppress(zmq.ZMQError):
+            sock.close(linger=linger)
+
+    def _check_open(self) -> None:
+        if self._state == "new":
+            raise EndpointNotStartedError("control plane not started: call start() first")
+        if self._state == "closed":
+            raise EndpointClosedError("control plane is closed")
+
+    def _on_loop_thread(self) -> bool:
+        return self._loop_thread is None or threading.get_ident() == self._loop_thread
+
+    # -- start and stop
+
     async def start(self) -> None:
         """Bind the PULL and PUB sockets (creating ipc directories as needed).
 
+        An ipc socket file nobody listens on (left by a crashed process) is
+        replaced; one a live process serves is not.
+
         Raises:
-            OmniwireError: the address cannot be bound (in use, bad path, too long).
+            AddressInUseError: a live process serves the ipc path (or its ``.abort``
+                sibling), or the tcp port is in use.
+            AddressError: the address cannot be bound (no such interface, a path
+                that exists and is not a socket, a directory that cannot be made).
+            EndpointClosedError: already closed; OmniwireError: already started.
+
+        On any error every socket and context created here is closed and only the
+        socket files this call created are removed.
         """
-        if self.key is not None:
-            self._auth = zmq.auth.asyncio.AsyncioAuthenticator(self._ctx)
-            self._auth.start()
-            self._auth.configure_curve_callback("*", _AllowOne(self.key.public))
-        for address in (self.address, self.abort_address):
-            path = ipc_path(address)
-            if path is not None:
-                if len(path.encode()) > 100:
-                    raise OmniwireError(
-                        f"ipc path {path!r} is too long for a unix socket (> 100 B)"
-                    )
-                os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        self._pull = self._ctx.socket(zmq.PULL)
-        self._options(self._pull, server=True)
-        self._pub = self._ctx.socket(zmq.PUB)
-        self._options(self._pub, server=True)
-        self._sub = self._ctx.socket(zmq.SUB)
-        self._options(self._sub, server=False)
-        self._sub.setsockopt(zmq.SUBSCRIBE, b"")
+        if self._state == "closed":
+            raise EndpointClosedError("control plane is closed")
+        if self._state == "open":
+            raise OmniwireError("control plane already started")
         try:
-            self._pull.bind(self.address)
-            self._pub.bind(self.abort_address)
+            for addr in (self._bind_addr, self._abort_addr):
+                if addr.scheme == "ipc":
+                    if addr.file is not None:
+                        directory = os.path.dirname(addr.path) or "."
+                        try:
+                            os.makedirs(directory, exist_ok=True)
+                        except OSError as exc:
+                            raise AddressError(
+                                f"address {str(addr)!r}: cannot create {directory!r}: {exc}"
+                            ) from exc
+                    _probe_ipc(addr, "address")
+            self._ctx = zmq.asyncio.Context()
+            if self.key is not None:
+                self._auth = zmq.auth.asyncio.AsyncioAuthenticator(self._ctx)
+                self._auth.start()
+                self._auth.configure_curve_callback("*", _AllowOne(self.key.public))
+            ipv6 = self._bind_addr.is_ipv6
+            self._pull = self._socket(zmq.PULL, server=True, ipv6=ipv6)
+            self._pub = self._socket(zmq.PUB, server=True, ipv6=ipv6)
+            self._sub = self._socket(zmq.SUB, server=False)
+            self._sub.setsockopt(zmq.SUBSCRIBE, b"")
+            self._bind(self._pull, self._bind_addr)
+            self._bind(self._pub, self._abort_addr)
+            self.address = advertised(self._pull.getsockopt_string(zmq.LAST_ENDPOINT))
+            self.abort_address = advertised(self._pub.getsockopt_string(zmq.LAST_ENDPOINT))
+        except BaseException as exc:
+            self._release(term=True)
+            self._state = "closed"
+            if isinstance(exc, zmq.ZMQError):  # an option or the authenticator
+                raise OmniwireError(
+                    f"cannot start the control plane at {self.address!r}: {exc}"
+                ) from exc
+            raise
+        self._loop_thread = threading.get_ident()
+        self._state = "open"
+
+    def _bind(self, sock: zmq.Socket[Any], addr: Address) -> None:
+        try:
+            sock.bind(str(addr))
         except zmq.ZMQError as exc:
-            self.close()
-            raise OmniwireError(f"cannot bind control address {self.address!r}: {exc}") from exc
-        self.address = advertised(self._pull.getsockopt_string(zmq.LAST_ENDPOINT))
-        self.abort_address = advertised(self._pub.getsockopt_string(zmq.LAST_ENDPOINT))
+            if exc.errno == errno.EADDRINUSE:
+                raise AddressInUseError(f"address {str(addr)!r} is in use: {exc}") from exc
+            raise AddressError(f"cannot bind address {str(addr)!r}: {exc}") from exc
+        if addr.file is not None:
+            self._files.append((os.path.abspath(addr.path), _file_id(addr.path)))
+
+    def close(self) -> None:
+        """Close every socket (pending frames get up to 0.5 s to leave), remove the
+        ipc socket files, and terminate the context (this waits for that linger).
+        Idempotent. Call it from the event loop thread, or from a worker thread once
+        nothing awaits the sockets. Never raises a ZMQError."""
+        if self._state == "closed" and self._ctx is None:
+            return
+        self._state = "closed"
+        self._release(term=True)
+
+    async def aclose(self) -> None:
+        """Like :meth:`close`, without blocking the event loop: sockets are closed and
+        socket files removed before the first await, so they are gone even if this is
+        cancelled; the context's linger is awaited in a worker thread."""
+        if self._state == "closed" and self._ctx is None:
+            return
+        self._state = "closed"
+        ctx = self._release(term=False)
+        if ctx is None:
+            return
+        # A thread of its own, started before the first await: the context is
+        # terminated even if this call is cancelled (only the wait for it ends).
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[None] = loop.create_future()
+
+        def term() -> None:
+            with contextlib.suppress(zmq.ZMQError):
+                ctx.term()
+            with contextlib.suppress(RuntimeError):  # the loop may be gone by now
+                loop.call_soon_threadsafe(_resolve, done)
+
+        threading.Thread(target=term, name="omniwire-zmq-term", daemon=True).start()
+        await done
+
+    def _release(self, *, term: bool) -> zmq.asyncio.Context | None:
+        """Fail waiters, close every socket, remove our socket files; then terminate
+        the context (``term``) or return it for the caller to terminate."""
+
+        def closed() -> EndpointClosedError:
+            return EndpointClosedError("control plane is closed")
+
+        if self._on_loop_thread():
+            for futures in self._pending.values():
+                _fail_all(futures, closed)
+            _fail_all(self._reads, closed)
+            _fail_all(self._monitor_reads.values(), _MonitorClosed)
+        for peer in list(self._push):
+            sock = self._push.pop(peer)
+            with contextlib.suppress(zmq.ZMQError):
+                sock.disable_monitor()
+            self._close_socket(sock, None)  # its frames get the linger to leave
+        for other in (*self._monitors.values(), self._pull, self._pub, self._sub):
+            self._close_socket(other)
+        for leftover in list(self._sockets):
+            self._close_socket(leftover)
+        self._monitors.clear()
+        self._pending.clear()
+        self._blocked.clear()
+        self._waiting.clear()
+        self._subscriptions.clear()
+        self._sub_refs.clear()
+        self._pull = self._pub = self._sub = None
+        if self._auth is not None:
+            with contextlib.suppress(Exception):
+                self._auth.stop()
+            self._auth = None
+        for path, ident in self._files:
+            if ident is None or _file_id(path) == ident:  # still ours, not a newcomer's
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
+        self._files.clear()
+        ctx, self._ctx = self._ctx, None
+        if ctx is not None and term:
+            with contextlib.suppress(zmq.ZMQError):
+                ctx.term()
+            return None
+        return ctx
+
+    # -- peers
 
     def connect(self, peer: str, address: str) -> zmq.asyncio.Socket:
-        """Open (once) the PUSH socket to a peer, and its monitor. Returns the monitor."""
+        """Open (once) the PUSH socket to a peer, and its monitor.
+
+        Returns:
+            The monitor socket (see :meth:`events`). A peer already connected keeps
+            its socket and address: :meth:`disconnect` first to change it.
+
+        Raises:
+            AddressError: ``address`` is malformed or ZeroMQ refuses it; nothing is
+                left open.
+            EndpointNotStartedError / EndpointClosedError: not started, or closed.
+        """
+        self._check_open()
         if peer in self._push:
             return self._monitors[peer]
-        sock = self._ctx.socket(zmq.PUSH)
-        self._options(sock, server=False)
-        monitor = sock.get_monitor_socket(
-            zmq.EVENT_HANDSHAKE_SUCCEEDED
-            | zmq.EVENT_DISCONNECTED
-            | zmq.EVENT_HANDSHAKE_FAILED_AUTH
-            | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-            | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
-        )
-        sock.connect(address)
+        addr = parse_address(address, what=f"peer {peer!r} address")
+        sock: zmq.asyncio.Socket | None = None
+        monitor: zmq.asyncio.Socket | None = None
+        try:
+            sock = self._socket(zmq.PUSH, server=False, ipv6=addr.is_ipv6)
+            monitor = sock.get_monitor_socket(
+                zmq.EVENT_HANDSHAKE_SUCCEEDED
+                | zmq.EVENT_DISCONNECTED
+                | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+                | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+            )
+            self._sockets.add(monitor)
+            sock.connect(str(addr))
+        except zmq.ZMQError as exc:
+            if sock is not None:
+                with contextlib.suppress(zmq.ZMQError):
+                    sock.disable_monitor()
+            self._close_socket(monitor)
+            self._close_socket(sock)
+            raise AddressError(f"cannot connect to peer {peer!r} at {address!r}: {exc}") from exc
         self._push[peer] = sock
         self._monitors[peer] = monitor
         return monitor
@@ -205,23 +659,102 @@ class ControlPlane:
     def has_peer(self, peer: str) -> bool:
         return peer in self._push
 
+    def disconnect(self, peer: str) -> None:
+        """Release everything of ``peer``: its PUSH socket (queued frames are dropped),
+        its monitor (:meth:`events` ends) and its abort subscription. Sends waiting on
+        it fail with :class:`PeerLostError`. Idempotent; never raises."""
+        if self._on_loop_thread():
+            _fail_all(
+                self._pending.pop(peer, ()),
+                lambda: PeerLostError(f"the connection to peer {peer!r} was released"),
+            )
+            read = self._monitor_reads.pop(peer, None)
+            if read is not None:
+                _fail_all((read,), _MonitorClosed)
+        self._pending.pop(peer, None)
+        self._blocked.pop(peer, None)
+        self._waiting.pop(peer, None)
+        sock = self._push.pop(peer, None)
+        if sock is not None:
+            with contextlib.suppress(zmq.ZMQError):
+                sock.disable_monitor()
+            self._close_socket(sock, 0)
+        self._close_socket(self._monitors.pop(peer, None))
+        self.unsubscribe(peer)
+
     def subscribe(self, peer: str, abort_address: str) -> None:
-        """Listen to a peer's abort broadcasts (once per address)."""
-        if self._sub is None or not abort_address or abort_address in self._subscribed:
+        """Listen to ``peer``'s abort broadcasts at ``abort_address`` ("" : none).
+
+        One SUB connection per address, however many peers name it; a peer that
+        names another address than before moves to it.
+
+        Raises:
+            AddressError: the address is malformed or ZeroMQ refuses it (nothing
+                changes).
+            EndpointNotStartedError / EndpointClosedError: not started, or closed.
+        """
+        self._check_open()
+        if not abort_address:
             return
-        self._subscribed.add(abort_address)
-        self._sub.connect(abort_address)
+        addr = parse_address(abort_address, what=f"peer {peer!r} abort address")
+        canonical = str(addr)
+        if self._subscriptions.get(peer) == canonical:
+            return
+        if not self._sub_refs.get(canonical):
+            assert self._sub is not None
+            try:
+                if addr.is_ipv6:  # options apply to connections made after they are set
+                    self._sub.setsockopt(zmq.IPV6, 1)
+                try:
+                    self._sub.connect(canonical)
+                finally:
+                    if addr.is_ipv6:
+                        self._sub.setsockopt(zmq.IPV6, 0)
+            except zmq.ZMQError as exc:
+                raise AddressError(
+                    f"cannot subscribe to peer {peer!r} aborts at {abort_address!r}: {exc}"
+                ) from exc
+        self.unsubscribe(peer)
+        self._subscriptions[peer] = canonical
+        self._sub_refs[canonical] = self._sub_refs.get(canonical, 0) + 1
+
+    def unsubscribe(self, peer: str) -> None:
+        """Stop listening to ``peer``'s aborts (the SUB leaves an address no other peer
+        names). Idempotent; never raises."""
+        address = self._subscriptions.pop(peer, None)
+        if address is None:
+            return
+        left = self._sub_refs.get(address, 0) - 1
+        if left > 0:
+            self._sub_refs[address] = left
+            return
+        self._sub_refs.pop(address, None)
+        if self._sub is not None:
+            with contextlib.suppress(zmq.ZMQError):
+                self._sub.disconnect(address)
+
+    def subscribed(self) -> dict[str, int]:
+        """Abort addresses the SUB socket is connected to, with how many peers name each."""
+        return dict(self._sub_refs)
 
     async def events(self, peer: str) -> AsyncIterator[PeerEvent]:
-        """Connection events of the PUSH socket to ``peer``, until it is closed."""
+        """Connection events of the PUSH socket to ``peer``, until it is released."""
         monitor = self._monitors.get(peer)
         if monitor is None:
             return
-        while True:
+        while not monitor.closed:
             try:
-                raw = await monitor.recv_multipart()
-            except (zmq.ZMQError, zmq.error.ContextTerminated, EndpointClosedError):
+                read = cast("asyncio.Future[list[bytes]]", monitor.recv_multipart())
+            except zmq.ZMQError:
                 return
+            self._monitor_reads[peer] = read
+            try:
+                raw = await read
+            except (zmq.ZMQError, _MonitorClosed):
+                return
+            finally:
+                if self._monitor_reads.get(peer) is read:
+                    del self._monitor_reads[peer]
             event = parse_monitor_message(raw)["event"]
             if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 yield PeerEvent.UP
@@ -236,86 +769,276 @@ class ControlPlane:
             elif event == zmq.EVENT_MONITOR_STOPPED:
                 return
 
-    async def send(self, peer: str, frame: bytes) -> None:
-        """Queue one frame to ``peer`` (never blocks on a slow or absent peer).
+    # -- frames out
+
+    async def send(self, peer: str, frame: bytes, *, timeout: float | None = None) -> None:
+        """Queue one frame to ``peer``, waiting while ZeroMQ's queue to it is full.
+
+        Frames to one peer leave in the order of the calls. While a call waits,
+        :meth:`blocked_since` says since when. If the wait ends in an error the frame
+        was not queued, and frames queued after it may still leave: treat the peer
+        as lost.
+
+        Args:
+            timeout: give up after this many seconds (None: wait until released).
 
         Raises:
-            EndpointClosedError: the control plane is closed.
-            KeyError: ``connect`` was never called for ``peer``.
+            PeerUnresponsiveError: ``timeout`` passed and the peer took no frame.
+            PeerLostError: the peer was disconnected while the frame waited.
+            EndpointClosedError: the control plane is closed (or closed meanwhile).
+            KeyError: ``connect`` was never called for ``peer`` (or it was
+                disconnected).
         """
-        if self._closed:
-            raise EndpointClosedError("control plane is closed")
+        self._check_open()
         if self.send_nowait(peer, frame):
             return
         sock = self._push[peer]
         self._waiting[peer] = self._waiting.get(peer, 0) + 1
+        self._blocked.setdefault(peer, time.monotonic())
+        pending = self._pending.setdefault(peer, set())
+        done = False
         try:
-            await sock.send(frame, copy=len(frame) < 65536)
+            while True:
+                try:
+                    fut = cast("asyncio.Future[Any]", sock.send(frame, copy=len(frame) < 65536))
+                except zmq.ZMQError as exc:
+                    raise self._send_error(peer, exc) from exc
+                pending.add(fut)
+                try:
+                    await (fut if timeout is None else asyncio.wait_for(fut, timeout))
+                except zmq.Again:  # pyzmq raced another writer: queue it again
+                    continue
+                except asyncio.TimeoutError:
+                    raise PeerUnresponsiveError(
+                        f"peer {peer!r} took no frame for {timeout:g} s "
+                        "(its queue stayed full: stopped, hung or flooded)"
+                    ) from None
+                except zmq.ZMQError as exc:
+                    raise self._send_error(peer, exc) from exc
+                finally:
+                    pending.discard(fut)
+                done = True
+                return
         finally:
-            self._waiting[peer] -= 1
+            left = self._waiting.get(peer, 1) - 1
+            if self._push.get(peer) is not sock:
+                pass  # released meanwhile (perhaps connected anew): not ours to count
+            elif left > 0:
+                self._waiting[peer] = left
+                if done and peer in self._blocked:
+                    self._blocked[peer] = time.monotonic()  # it moved: wait from now
+            else:
+                self._waiting.pop(peer, None)
+                self._blocked.pop(peer, None)
+
+    def _send_error(self, peer: str, exc: zmq.ZMQError) -> OmniwireError:
+        if self._state == "closed" or exc.errno in (errno.ENOTSOCK, zmq.ETERM):
+            return EndpointClosedError("control plane is closed")
+        return OmniwireError(f"cannot send to peer {peer!r}: {exc}")
 
     def send_nowait(self, peer: str, frame: bytes) -> bool:
-        """Send one frame now if ZeroMQ can queue it without waiting; False if not
-        (then :meth:`send` waits). Skipped while an earlier send to the peer waits,
-        so frames to a peer never overtake each other."""
+        """Send one frame now if ZeroMQ can queue it without waiting.
+
+        Returns:
+            True if queued; False if it would wait (then :meth:`send` waits), if an
+            earlier send to the peer still waits (frames never overtake each other),
+            or if the peer is not connected or the plane is closed.
+        """
         sock = self._push.get(peer)
-        if sock is None or self._closed or self._waiting.get(peer):
+        if sock is None or self._state != "open" or self._waiting.get(peer):
             return False
         try:
             zmq.Socket.send(sock, frame, zmq.DONTWAIT)  # the plain socket: no future
-        except zmq.Again:
+        except zmq.ZMQError:  # Again: it would wait; anything else: it is closing
             return False
         return True
 
+    def blocked_since(self, peer: str) -> float | None:
+        """When (``time.monotonic()``) a send to ``peer`` began to wait without any
+        send to it completing since; None if no send to it waits.
+
+        A peer that takes no frames (stopped, hung) leaves this set: the endpoint
+        declares it unresponsive once ``now - blocked_since(peer)`` exceeds its
+        timeout. ZMTP heartbeats alone do not catch it: with a large frame half
+        written when the peer stops, no heartbeat is ever sent.
+        """
+        return self._blocked.get(peer)
+
+    def send_once(self, address: str, frame: bytes) -> bool:
+        """Best effort: one frame to an address we have no peer for (a RefusalMessage
+        to a Hello we refuse), through a transient PUSH socket closed at once; the
+        frame gets 200 ms to leave. Never blocks, never raises.
+
+        Rate-limited (``send_once_rate``/``send_once_burst``) and capped at
+        ``send_once_max_live`` transient sockets lingering at once, so a flood of
+        Hellos costs a bounded number of sockets.
+
+        Returns:
+            True if the frame was handed to ZeroMQ; False if dropped, counted in
+            :attr:`send_once_counts` under ``rate_limited`` (rate or cap),
+            ``invalid`` (a malformed address, or the plane not open) or ``failed``.
+        """
+        try:
+            addr = parse_address(address, what="refusal address")
+        except AddressError:
+            self.send_once_counts["invalid"] += 1
+            return False
+        if self._state != "open" or self._ctx is None:
+            self.send_once_counts["invalid"] += 1
+            return False
+        now = time.monotonic()
+        lingering = self._once_lingering
+        while lingering and lingering[0] <= now:
+            lingering.popleft()
+        if len(lingering) >= self._once_max_live or not self._once_bucket.take():
+            self.send_once_counts["rate_limited"] += 1
+            return False
+        sock: zmq.Socket[Any] | None = None
+        try:
+            sock = zmq.Socket(self._ctx, zmq.PUSH)  # a plain socket: no event-loop state
+            self._options(sock, server=False, ipv6=addr.is_ipv6)
+            sock.setsockopt(zmq.LINGER, _SEND_ONCE_LINGER_MS)
+            sock.setsockopt(zmq.SNDHWM, 1)
+            sock.connect(str(addr))
+            sock.send(frame, zmq.DONTWAIT)
+        except zmq.ZMQError as exc:
+            self.send_once_counts["failed"] += 1
+            log.debug("send_once to %s failed: %s", address, exc)
+            return False
+        finally:
+            if sock is not None:
+                with contextlib.suppress(zmq.ZMQError):
+                    sock.close()  # returns at once; libzmq lingers in the background
+        lingering.append(now + _SEND_ONCE_LINGER_MS / 1000)
+        self.send_once_counts["sent"] += 1
+        return True
+
     async def publish(self, frame: bytes) -> None:
-        if self._pub is None or self._closed:
-            raise EndpointClosedError("control plane is closed")
-        await self._pub.send(frame)
+        """Broadcast one frame on the PUB socket (never waits: slow subscribers drop).
+
+        Raises:
+            EndpointNotStartedError / EndpointClosedError: not started, or closed.
+        """
+        self._check_open()
+        assert self._pub is not None
+        try:
+            zmq.Socket.send(self._pub, frame, zmq.DONTWAIT)
+        except zmq.Again:
+            pass  # PUB drops rather than wait; nothing to do
+        except zmq.ZMQError as exc:
+            raise EndpointClosedError(f"control plane is closed: {exc}") from exc
+
+    # -- frames in
 
     async def recv(self) -> bytes:
-        """The next frame any peer pushed to this endpoint."""
-        if self._pull is None or self._closed:
-            raise EndpointClosedError("control plane is closed")
-        try:  # frames already queued are taken without a future; this is the only reader
-            return zmq.Socket.recv(self._pull, zmq.DONTWAIT)
-        except zmq.Again:
-            return await self._pull.recv()
+        """The next frame any peer pushed to this endpoint.
+
+        Raises:
+            EndpointNotStartedError / EndpointClosedError: not started, or closed
+                (also while waiting).
+        """
+        while True:
+            frames = await self.recv_many(1)
+            if frames:
+                return frames[0]
+
+    async def recv_many(self, limit: int = 512) -> list[bytes]:
+        """Every frame queued at this endpoint's PULL socket (1 to ``limit``), waiting
+        for one if none is. The socket's file descriptor is watched by the event loop
+        only while nothing is queued: a busy endpoint pays no wake-up per frame.
+
+        Raises:
+            EndpointNotStartedError / EndpointClosedError: not started, or closed
+                (also while waiting).
+        """
+        self._check_open()
+        pull = self._pull
+        assert pull is not None
+        while True:
+            frames: list[bytes] = []
+            try:
+                while len(frames) < limit:
+                    frames.append(zmq.Socket.recv(pull, zmq.DONTWAIT))
+            except zmq.Again:
+                pass
+            except zmq.ZMQError as exc:
+                raise EndpointClosedError(f"control plane is closed: {exc}") from exc
+            if frames:
+                return frames
+            await self._readable(pull)
+
+    async def _readable(self, sock: zmq.asyncio.Socket) -> None:
+        """Wait until ``sock`` has a frame (its FD signals, ZMQ_EVENTS says POLLIN)."""
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[None] = loop.create_future()
+        fd = cast(int, zmq.Socket.getsockopt(sock, zmq.FD))
+
+        def check() -> None:  # the FD only says "look": ZMQ_EVENTS tells (and re-arms it)
+            if fut.done():
+                return
+            try:
+                if cast(int, zmq.Socket.getsockopt(sock, zmq.EVENTS)) & zmq.POLLIN:
+                    fut.set_result(None)
+            except zmq.ZMQError as exc:
+                fut.set_exception(EndpointClosedError(f"control plane is closed: {exc}"))
+
+        self._reads.add(fut)
+        loop.add_reader(fd, check)
+        try:
+            check()  # a frame may have arrived between the last recv and add_reader
+            await fut
+        finally:
+            loop.remove_reader(fd)
+            self._reads.discard(fut)
 
     async def recv_abort(self) -> bytes:
-        """The next abort frame any peer published."""
-        if self._sub is None or self._closed:
-            raise EndpointClosedError("control plane is closed")
-        return await self._sub.recv()
+        """The next abort frame any peer published.
 
-    def disconnect(self, peer: str) -> None:
-        sock = self._push.pop(peer, None)
-        monitor = self._monitors.pop(peer, None)
-        if sock is not None:
-            sock.disable_monitor()
-            sock.close(linger=0)
-        if monitor is not None:
-            monitor.close(linger=0)
+        Raises:
+            EndpointNotStartedError / EndpointClosedError: not started, or closed
+                (also while waiting).
+        """
+        self._check_open()
+        assert self._sub is not None
+        return await self._read(self._sub)
 
-    def close(self) -> None:
-        """Close every socket (pending frames get up to 0.5 s to leave) and the context."""
-        if self._closed:
-            return
-        self._closed = True
-        for peer in list(self._push):
-            sock = self._push.pop(peer)
-            sock.disable_monitor()
-            sock.close()
-        for monitor in self._monitors.values():
-            monitor.close(linger=0)
-        self._monitors.clear()
-        for bound in (self._pull, self._pub, self._sub):
-            if bound is not None:
-                bound.close(linger=0)
-        if self._auth is not None:
-            self._auth.stop()
-        self._ctx.term()
-        for address in (self.address, self.abort_address):
-            path = ipc_path(address)
-            if path is not None:
-                with contextlib.suppress(OSError):
-                    os.unlink(path)
+    async def _read(self, sock: zmq.asyncio.Socket) -> bytes:
+        try:
+            fut = cast("asyncio.Future[bytes]", sock.recv())
+        except zmq.ZMQError as exc:
+            raise EndpointClosedError(f"control plane is closed: {exc}") from exc
+        self._reads.add(fut)
+        try:
+            return await fut
+        except zmq.ZMQError as exc:
+            raise EndpointClosedError(f"control plane is closed: {exc}") from exc
+        finally:
+            self._reads.discard(fut)
+
+    # -- accounting
+
+    def socket_count(self) -> int:
+        """Sockets this control plane holds open (bound, per-peer PUSH and monitor,
+        the ZAP handler's). Transient :meth:`send_once` sockets are closed at once and
+        not counted."""
+        count = sum(1 for s in self._sockets if not s.closed)
+        if self._auth is not None and not self._auth.zap_socket.closed:
+            count += 1
+        return count
+
+    def peers(self) -> list[str]:
+        """Peers with a PUSH socket."""
+        return list(self._push)
+
+
+def _resolve(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
+def _fail_all(futures: Iterable[asyncio.Future[Any]], error: Callable[[], BaseException]) -> None:
+    """Fail the futures not yet done (before their socket closes: pyzmq would cancel
+    them, and a cancelled future reads as the waiter's own cancellation)."""
+    for fut in list(futures):
+        if not fut.done():
+            fut.set_exception(error())

@@ -6,13 +6,37 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import anyio
+
+from .errors import OmniwireError
 
 __all__ = ["Delivery", "DeliveryKind", "SendReceipt"]
 
 DeliveryKind = Literal["payload", "stream_chunk", "stream_end", "error", "aborted"]
+
+
+class _Replier(Protocol):
+    """What a delivery answers through: the endpoint that received it."""
+
+    async def send(
+        self,
+        target: str,
+        payload: Any,
+        *,
+        request_id: str,
+        metadata: Any = None,
+        lend: bool = False,
+    ) -> SendReceipt: ...
+
+    async def stream(
+        self, target: str, chunk: Any, *, request_id: str, metadata: Any = None
+    ) -> SendReceipt: ...
+
+    async def end_stream(
+        self, target: str, *, request_id: str, error: str | None = None, metadata: Any = None
+    ) -> None: ...
 
 
 @dataclass(eq=False)
@@ -20,13 +44,18 @@ class Delivery:
     """One thing that arrived for this endpoint.
 
     ``kind`` is ``payload``, ``stream_chunk``, ``stream_end`` (the sender ended the
-    stream), ``error`` (the sender reported an error, or its data could not be
-    received: ``error`` says which) or ``aborted`` (a peer aborted ``request_id``).
+    stream), ``error`` (the sender reported an error, its data could not be
+    received, or it went away mid-request: ``error`` says which, ``cause`` is
+    ``"peer_lost"`` or ``"peer_closed"`` in the last case) or ``aborted`` (a peer
+    aborted ``request_id``; ``from_stage`` is where the abort began).
 
     In zero-copy mode the tensors of ``payload`` are views of the sender's
     memory, valid until :meth:`release` (or the end of ``async with delivery:``),
     which also acknowledges the data. In copy mode (the default) the data is
     already owned and acknowledged and ``release`` does nothing.
+
+    :meth:`reply`, :meth:`stream_reply` and :meth:`end_reply` answer the stage it
+    came from, under the same request id.
     """
 
     kind: DeliveryKind
@@ -38,22 +67,83 @@ class Delivery:
     error: str | None = None
     #: The backend that carried it ("inline", "local", "shm", ...).
     backend: str | None = None
-    #: Tensor bytes carried.
+    #: Tensor bytes carried (the same for every backend, ``local`` included).
     nbytes: int = 0
+    #: For ``error`` deliveries: ``"peer_lost"`` / ``"peer_closed"`` (the sender went
+    #: away), ``"unclaimed"`` (dropped while no consumer came for it), else None.
+    cause: str | None = None
+    #: ``time.monotonic()`` when it was queued for the application.
     received_at: float = field(default_factory=time.monotonic)
+    #: The W3C trace context of the sender's span (``""`` if it traces nothing).
+    traceparent: str = ""
     _on_release: Callable[[], None] | None = field(default=None, repr=False)
     _budget: int | None = field(default=None, repr=False)  # receive credit held
+    _lent: bool = field(default=False, repr=False)  # released views of the sender's memory
+    _replier: _Replier | None = field(default=None, repr=False, compare=False)
 
     @property
     def zero_copy(self) -> bool:
-        """True while the payload still views the sender's memory."""
-        return self._on_release is not None
+        """True if the payload views the sender's memory (stays True after
+        :meth:`release`; see :attr:`released`)."""
+        return self._lent or self._on_release is not None
+
+    @property
+    def released(self) -> bool:
+        """True once a zero-copy delivery was released (its views must not be used)."""
+        return self._lent and self._on_release is None
 
     def release(self) -> None:
         """Acknowledge a zero-copy delivery; its tensors must not be used after. Idempotent."""
         callback, self._on_release = self._on_release, None
         if callback is not None:
+            self._lent = True
             callback()
+
+    # -- replies ------------------------------------------------------------------------
+
+    def _endpoint(self) -> _Replier:
+        if self._replier is None:
+            raise OmniwireError(
+                f"this {self.kind} delivery of request {self.request_id!r} was not received "
+                "by an endpoint: there is nobody to reply through"
+            )
+        return self._replier
+
+    async def reply(self, payload: Any, *, metadata: Any = None, lend: bool = False) -> SendReceipt:
+        """Send ``payload`` back to :attr:`from_stage` under the same request id.
+
+        The sender said Hello when it connected, so the endpoint already reaches it
+        at the address that Hello carried: no ``peers=`` entry is needed. Same as
+        ``endpoint.send(d.from_stage, payload, request_id=d.request_id, ...)``.
+
+        Returns:
+            The receipt of the reply (see :meth:`Endpoint.send`).
+
+        Raises:
+            As :meth:`Endpoint.send`; ``PeerLostError`` if the sender is gone,
+            ``HandshakeError`` for an ``aborted`` delivery whose origin is no peer.
+        """
+        return await self._endpoint().send(
+            self.from_stage, payload, request_id=self.request_id, metadata=metadata, lend=lend
+        )
+
+    async def stream_reply(self, chunk: Any, *, metadata: Any = None) -> SendReceipt:
+        """Send the next chunk of a streamed reply to :attr:`from_stage` (in order).
+
+        Raises: as :meth:`Endpoint.stream`.
+        """
+        return await self._endpoint().stream(
+            self.from_stage, chunk, request_id=self.request_id, metadata=metadata
+        )
+
+    async def end_reply(self, *, error: str | None = None, metadata: Any = None) -> None:
+        """End the streamed reply (optionally with an error).
+
+        Raises: as :meth:`Endpoint.end_stream`.
+        """
+        await self._endpoint().end_stream(
+            self.from_stage, request_id=self.request_id, error=error, metadata=metadata
+        )
 
     async def __aenter__(self) -> Delivery:
         return self
@@ -71,7 +161,12 @@ class SendReceipt:
     """The fate of one sent object: ``await receipt.wait()`` returns once the
     receiver acknowledged it, or raises why it did not (``AckTimeoutError``,
     ``PeerLostError``, ``RequestAbortedError``, or ``BackendError`` carrying the
-    receiver's error)."""
+    receiver's error).
+
+    Attributes: ``peer``, ``request_id``, ``object_id`` (None for data that needs
+    no ACK: inline chunks), ``backend``, ``nbytes`` (tensor bytes), ``started`` /
+    ``finished`` (``time.monotonic()``), ``error`` (once done), :attr:`latency`.
+    """
 
     def __init__(
         self, peer: str, request_id: str, object_id: int | None, backend: str, nbytes: int
@@ -86,6 +181,33 @@ class SendReceipt:
         self.error: BaseException | None = None
         self._event = anyio.Event()
         self.observed = False
+        self._callbacks: list[Callable[[SendReceipt], None]] | None = None
+
+    def __repr__(self) -> str:
+        obj = "" if self.object_id is None else f" object={self.object_id}"
+        head = (
+            f"<SendReceipt to {self.peer!r} request={self.request_id!r}{obj} "
+            f"via {self.backend} {_size(self.nbytes)}"
+        )
+        if not self.done():
+            return f"{head} pending>"
+        assert self.finished is not None
+        took = f"{1000 * (self.finished - self.started):.2f} ms"
+        if self.error is None and self.object_id is None:
+            return f"{head} handed off (no ACK needed)>"
+        if self.error is None:
+            return f"{head} acknowledged in {took}>"
+        return f"{head} failed after {took}: {type(self.error).__name__}: {self.error}>"
+
+    def add_done_callback(self, fn: Callable[[SendReceipt], None]) -> None:
+        """Call ``fn(receipt)`` once it is done (at once if it is already), on the
+        endpoint's event loop. For observers; ``fn`` must not raise or block."""
+        if self._event.is_set():
+            fn(self)
+        elif self._callbacks is None:
+            self._callbacks = [fn]
+        else:
+            self._callbacks.append(fn)
 
     @classmethod
     def completed(cls, peer: str, request_id: str, backend: str, nbytes: int) -> SendReceipt:
@@ -108,6 +230,10 @@ class SendReceipt:
         self.error = error
         self.finished = time.monotonic()
         self._event.set()
+        callbacks, self._callbacks = self._callbacks, None
+        if callbacks is not None:
+            for fn in callbacks:
+                fn(self)
 
     async def wait(self, timeout: float | None = None) -> None:
         """Wait for the ACK. Raises the failure, or TimeoutError after ``timeout``."""
@@ -116,3 +242,10 @@ class SendReceipt:
             await self._event.wait()
         if self.error is not None:
             raise self.error
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"

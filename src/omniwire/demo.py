@@ -2,11 +2,17 @@
 
 Topology: stages ``src`` and ``near`` share this process; stage ``far`` runs in a
 child process (``--remote``: as another host over tcp://, across a cross-host
-engine). ``src`` sends a 4 MiB "encoder output" to ``near`` and ``far``, then
-streams a 64 B, a 64 KiB and a 4 MiB chunk to ``far`` and ends the stream.
-``near`` and ``far`` reduce what they received and answer; ``src`` checks the
-answers against its own reduction and prints, per edge and kind, the backend,
-why it was chosen, the bytes and the latency, then the merged result.
+engine). Each round, ``src`` sends a 4 MiB "encoder output" to ``near`` and
+``far``, then streams a 64 B, a 64 KiB and a 4 MiB chunk to ``far`` and ends the
+stream. ``near`` and ``far`` reduce what they received and reply; ``src`` checks
+the replies against its own reduction and prints, per edge and kind, the
+backend, why it was chosen, the bytes and the steady-state latency, then the
+merged result.
+
+A first warm-up round is not counted: the first transfer on an edge maps
+segments, faults pages in and connects engines, which says nothing about the
+transfers that follow. The far stage's stderr (and the engines' own log lines)
+is shown only if it fails, or with ``--verbose``.
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ import secrets
 import subprocess
 import sys
 import tempfile
-from typing import Any
+from typing import IO, Any
 
 import anyio
 import torch
@@ -29,7 +35,7 @@ __all__ = ["main", "run"]
 
 PAYLOAD_NUMEL = 1 << 20  # 4 MiB of float32
 CHUNK_NUMELS = (16, 16 << 10, 1 << 20)  # 64 B, 64 KiB, 4 MiB of float32
-REQUEST = "req-0"
+ROUNDS = 5  # measured rounds, after one warm-up round
 REMOTE_HOST_ID = "omniwire-demo-remote-host"
 
 
@@ -45,42 +51,47 @@ def _inputs() -> tuple[torch.Tensor, list[torch.Tensor]]:
 
 
 async def _far_stage(args: argparse.Namespace) -> int:
-    """The ``far`` stage (child process): reduce the payload and the stream, answer src."""
+    """The ``far`` stage (child process): reduce each request's payload and stream and
+    reply to src; exit after ``--rounds`` requests."""
     backends = args.backends.split(",") if args.backends else None
     routes = {"src": args.route} if args.route else None
     async with Endpoint(
         "far", address=args.address, backends=backends, routes=routes, host_id=args.host_id or None
     ) as ep:
         print(f"READY {ep.address}", flush=True)
-        payload: dict[str, Any] = {}
-        chunks: list[dict[str, Any]] = []
-        async for d in ep:
-            if d.kind == "payload":
-                payload = {**_reduce(d.payload["hidden"]), "backend": d.backend}
-            elif d.kind == "stream_chunk":
-                chunks.append(
-                    {
-                        "chunk_id": d.chunk_id,
-                        "step": d.metadata["step"],
-                        "backend": d.backend,
-                        **_reduce(d.payload),
-                    }
-                )
-            elif d.kind == "stream_end":
-                answer = {"stage": "far", "payload": payload, "chunks": chunks}
-                receipt = await ep.send(d.from_stage, answer, request_id=d.request_id)
-                await receipt.wait(30)
-                return 0
-            elif d.kind in ("error", "aborted"):
-                print(f"far: {d.kind} for {d.request_id}: {d.error}", file=sys.stderr)
-                return 1
-    return 1
+        for _ in range(args.rounds):
+            request = await ep.requests().__anext__()
+            payload: dict[str, Any] = {}
+            chunks: list[dict[str, Any]] = []
+            async with request:
+                async for d in request:
+                    if d.kind == "payload":
+                        payload = {**_reduce(d.payload["hidden"]), "backend": d.backend}
+                    elif d.kind == "stream_chunk":
+                        chunks.append(
+                            {
+                                "chunk_id": d.chunk_id,
+                                "step": d.metadata["step"],
+                                "backend": d.backend,
+                                **_reduce(d.payload),
+                            }
+                        )
+                    elif d.kind == "stream_end":
+                        answer = {"stage": "far", "payload": payload, "chunks": chunks}
+                        await (await d.reply(answer)).wait(30)
+                    else:
+                        print(f"far: {d.kind} for {d.request_id}: {d.error}", file=sys.stderr)
+                        return 1
+    return 0
 
 
-async def _near_stage(ep: Endpoint) -> None:
-    d = await ep.receive()
-    result = {"stage": "near", "payload": {**_reduce(d.payload["hidden"]), "backend": d.backend}}
-    await ep.send(d.from_stage, result, request_id=d.request_id)
+async def _near_stage(ep: Endpoint, rounds: int) -> None:
+    for _ in range(rounds):
+        d = await ep.receive()
+        # off the event loop: src shares it, and its latencies must be the transfers'
+        reduced = await anyio.to_thread.run_sync(_reduce, d.payload["hidden"])
+        reduced["backend"] = d.backend
+        await d.reply({"stage": "near", "payload": reduced})
 
 
 def _row(s: RouteStats, src: str) -> str:
@@ -104,12 +115,27 @@ def _table(ep: Endpoint, explain: bool) -> str:
             if s.route is not None:
                 lines.append(f"  {ep.name}→{peer} {kind} (policy {s.route.policy}):")
                 lines += ["    " + line for line in s.route.explain().splitlines()]
-    lines.append("latency: send → ACK (inline chunks: send → hand-off; they need no ACK)")
+    lines.append(
+        f"latency: median over {ROUNDS} rounds after 1 warm-up round (not counted: the first "
+        "transfer on an edge maps memory and connects engines); send → ACK (inline chunks: "
+        "send → hand-off, they need no ACK)"
+    )
     return "\n".join(lines)
 
 
-async def run(*, remote: bool = False, backend: str | None = None, explain: bool = False) -> int:
+async def run(
+    *,
+    remote: bool = False,
+    backend: str | None = None,
+    explain: bool = False,
+    verbose: bool = False,
+) -> int:
     """Run the demo pipeline; returns the process exit code."""
+    with tempfile.TemporaryFile("w+") as far_log:
+        return await _run(remote, backend, explain, None if verbose else far_log)
+
+
+async def _run(remote: bool, backend: str | None, explain: bool, far_log: IO[str] | None) -> int:
     tmp = os.path.join(tempfile.gettempdir(), f"omniwire-demo-{os.getuid()}")
     tag = secrets.token_hex(3)
     hidden, chunks = _inputs()
@@ -129,9 +155,11 @@ async def run(*, remote: bool = False, backend: str | None = None, explain: bool
         src_address = f"ipc://{tmp}/src-{tag}"
         far_address = f"ipc://{tmp}/far-{tag}"
         src_backends, far_args, routes = None, [], None
-    far, ready = await anyio.to_thread.run_sync(_start_far, far_address, far_args)
+    far_args += ["--rounds", str(ROUNDS + 1)]
+    far, ready = await anyio.to_thread.run_sync(_start_far, far_address, far_args, far_log)
     if not ready.startswith("READY "):
         print(f"omniwire demo: the far stage did not start (exit {far.wait()})", file=sys.stderr)
+        _show(far_log)
         return 2
     far_address = ready.split(" ", 1)[1]
     problems: list[str] = []
@@ -148,25 +176,15 @@ async def run(*, remote: bool = False, backend: str | None = None, explain: bool
         ):
             await src.wait_peer("near")
             await src.wait_peer("far", 30)
+            answers: dict[str, Any] = {}
             async with anyio.create_task_group() as tg:
-                tg.start_soon(_near_stage, near)
-                payload = {"hidden": hidden, "step": 0}
-                await src.send("near", payload, request_id=REQUEST)
-                await src.send("far", payload, request_id=REQUEST)
-                for step, chunk in enumerate(chunks):
-                    await src.stream("far", chunk, request_id=REQUEST, metadata={"step": step})
-                await src.end_stream("far", request_id=REQUEST)
-                answers: dict[str, Any] = {}
-                with anyio.fail_after(60):
-                    while len(answers) < 2:
-                        d = await src.receive()
-                        if d.kind != "payload":
-                            raise OmniwireError(
-                                f"unexpected {d.kind} from {d.from_stage}: {d.error}"
-                            )
-                        answers[d.payload["stage"]] = d.payload
+                tg.start_soon(_near_stage, near, ROUNDS + 1)
+                for round_ in range(ROUNDS + 1):
+                    if round_ == 1:
+                        src.route_stats.clear()  # the warm-up round is not counted
+                    answers = await _one_round(src, f"req-{round_}", hidden, chunks)
+                    problems += _check(answers, hidden, chunks)
                 await src.drain(30)
-            problems += _check(answers, hidden, chunks)
             print(_table(src, explain))
             print()
             print("merged result:")
@@ -181,6 +199,7 @@ async def run(*, remote: bool = False, backend: str | None = None, explain: bool
     if code != 0:
         problems.append(f"the far stage exited with {code}")
     if problems:
+        _show(far_log)
         for p in problems:
             print(f"omniwire demo: FAILED: {p}", file=sys.stderr)
         return 1
@@ -188,10 +207,38 @@ async def run(*, remote: bool = False, backend: str | None = None, explain: bool
     return 0
 
 
-def _start_far(address: str, extra: list[str]) -> tuple[subprocess.Popen[str], str]:
+async def _one_round(
+    src: Endpoint, rid: str, hidden: torch.Tensor, chunks: list[torch.Tensor]
+) -> dict[str, Any]:
+    """One request: the payload to near and far, the stream to far; their replies."""
+    async with src.deliveries(request_id=rid) as replies:
+        payload = {"hidden": hidden, "step": 0}
+        # one transfer at a time, each to its ACK: every latency is its edge's own
+        await (await src.send("near", payload, request_id=rid)).wait(30)
+        await (await src.send("far", payload, request_id=rid)).wait(30)
+        for step, chunk in enumerate(chunks):
+            sent = await src.stream("far", chunk, request_id=rid, metadata={"step": step})
+            await sent.wait(30)
+        await src.end_stream("far", request_id=rid)
+        answers: dict[str, Any] = {}
+        with anyio.fail_after(60):
+            async for d in replies:
+                if d.kind != "payload":
+                    raise OmniwireError(f"unexpected {d.kind} from {d.from_stage}: {d.error}")
+                answers[d.payload["stage"]] = d.payload
+                if len(answers) == 2:
+                    break
+        return answers
+
+
+def _start_far(
+    address: str, extra: list[str], log: IO[str] | None
+) -> tuple[subprocess.Popen[str], str]:
+    """The far stage, its stderr (engine chatter included) into ``log`` if given."""
     far = subprocess.Popen(
         [sys.executable, "-m", "omniwire.demo", "--far", "--address", address, *extra],
         stdout=subprocess.PIPE,
+        stderr=log,
         text=True,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
@@ -200,6 +247,15 @@ def _start_far(address: str, extra: list[str]) -> tuple[subprocess.Popen[str], s
     if not ready.startswith("READY "):
         far.kill()
     return far, ready
+
+
+def _show(log: IO[str] | None) -> None:
+    """What the far stage wrote to stderr (shown when something failed)."""
+    if log is not None:
+        log.seek(0)
+        text = log.read().strip()
+        if text:
+            print("the far stage's stderr:\n" + text, file=sys.stderr)
 
 
 def _check(answers: dict[str, Any], hidden: torch.Tensor, chunks: list[torch.Tensor]) -> list[str]:
@@ -225,6 +281,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--host-id", help=argparse.SUPPRESS)
     p.add_argument("--backends", help=argparse.SUPPRESS)
     p.add_argument("--route", help=argparse.SUPPRESS)
+    p.add_argument("--rounds", type=int, default=ROUNDS + 1, help=argparse.SUPPRESS)
+    p.add_argument("--verbose", action="store_true", help="show the far stage's stderr")
     p.add_argument("--remote", action="store_true")
     p.add_argument("--backend", choices=["mooncake", "nixl", "nccl"])
     p.add_argument("--explain", action="store_true")
@@ -233,7 +291,12 @@ def main(argv: list[str] | None = None) -> int:
         return anyio.run(_far_stage, args)
     try:
         return anyio.run(
-            lambda: run(remote=args.remote, backend=args.backend, explain=args.explain)
+            lambda: run(
+                remote=args.remote,
+                backend=args.backend,
+                explain=args.explain,
+                verbose=args.verbose,
+            )
         )
     except OmniwireError as exc:
         print(f"omniwire demo: FAILED: {type(exc).__name__}: {exc}", file=sys.stderr)

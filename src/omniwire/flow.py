@@ -32,6 +32,11 @@ class Credits:
             return False
         return self.count == 0 or self.bytes + nbytes <= self.max_bytes
 
+    @property
+    def waiting(self) -> int:
+        """How many ``acquire`` calls wait for a credit now."""
+        return len(self._waiters)
+
     def would_admit(self, nbytes: int) -> bool:
         """Whether ``try_acquire(nbytes)`` would succeed now."""
         return not self._waiters and self._fits(nbytes)

@@ -11,15 +11,18 @@ import secrets
 import socket
 from collections.abc import Sequence
 from functools import cache
+from typing import Literal
 
 from .wire import DeviceInfo
 
 __all__ = [
+    "ProcessState",
     "gpu_peer_access",
     "host_id",
     "hostname",
     "local_devices",
     "pid_alive",
+    "process_state",
     "process_token",
 ]
 
@@ -84,17 +87,59 @@ def local_devices() -> tuple[DeviceInfo, ...]:
     return tuple(devices)
 
 
-def pid_alive(pid: int) -> bool:
-    """Whether ``pid`` names a live process in this PID namespace."""
-    if pid <= 0:
-        return False
+ProcessState = Literal["alive", "stopped", "zombie", "dead"]
+
+#: pid_t is a signed 32-bit integer on Linux; larger values name no process.
+_PID_MAX = 2**31 - 1
+
+
+def _state_by_signal(pid: int) -> ProcessState:
+    """``kill(pid, 0)``: tells a process from no process, not a zombie from a live one."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
-        return False
+        return "dead"
     except PermissionError:
-        return True
-    return True
+        return "alive"  # it exists, owned by someone else
+    return "alive"
+
+
+def process_state(pid: int, *, proc_root: str = "/proc") -> ProcessState:
+    """The state of process ``pid`` in this PID namespace, from ``<proc_root>/<pid>/stat``.
+
+    Returns:
+        ``"alive"`` (running or sleeping), ``"stopped"`` (by a signal or a tracer:
+        it exists but runs nothing), ``"zombie"`` (it exited and its parent has not
+        reaped it: it will never run again) or ``"dead"`` (no such process; also for
+        pids no process can have, such as 0 or negative ones).
+
+    Where procfs is not mounted at ``proc_root`` it falls back to ``kill(pid, 0)``,
+    which cannot tell a zombie (or a stopped process) from a live one. A pid procfs
+    hides (``hidepid=``) but that exists counts as alive. Never raises.
+    """
+    if not 0 < pid <= _PID_MAX:
+        return "dead"
+    try:
+        with open(f"{proc_root}/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:  # no procfs here, the process is gone, or procfs hides it from us
+        return _state_by_signal(pid)
+    # "pid (comm) S ...": comm is free text (it may hold ") Z ("), so split at the last ")"
+    fields = stat[stat.rfind(b")") + 1 :].split()
+    state = fields[0] if fields else b"?"
+    if state == b"Z":
+        return "zombie"
+    if state in (b"X", b"x"):
+        return "dead"
+    if state in (b"T", b"t"):
+        return "stopped"
+    return "alive"
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether ``pid`` names a process in this PID namespace that may still run: alive
+    or stopped. A zombie (exited, not yet reaped) is not alive. Never raises."""
+    return process_state(pid) in ("alive", "stopped")
 
 
 def gpu_peer_access(local: Sequence[DeviceInfo], remote: Sequence[DeviceInfo]) -> bool:

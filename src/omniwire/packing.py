@@ -13,6 +13,7 @@ through a non-contiguous tensor.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Final
@@ -20,7 +21,7 @@ from typing import Final
 import torch
 
 from .errors import WireFormatError
-from .wire import DTYPE_ITEMSIZE, TensorMeta, align_up
+from .wire import DTYPE_ITEMSIZE, I64_MAX, MAX_NDIM, TensorMeta, align_up
 
 __all__ = [
     "PackPlan",
@@ -103,12 +104,22 @@ def plan(tensors: Sequence[torch.Tensor], paths: Sequence[str] = ()) -> PackPlan
 
 
 def as_byte_tensor(buffer: torch.Tensor | memoryview | bytearray) -> torch.Tensor:
-    """View a writable buffer (or a uint8 tensor) as a 1-D uint8 tensor, without copying."""
+    """View a writable buffer (or a uint8 tensor) as a 1-D uint8 tensor, without copying.
+
+    Any C-contiguous buffer works, whatever its item format or number of dimensions.
+
+    Raises:
+        TypeError: a tensor that is not a contiguous 1-D uint8 tensor, or a buffer
+            that is not C-contiguous.
+    """
     if isinstance(buffer, torch.Tensor):
         if buffer.dtype is not torch.uint8 or buffer.dim() != 1 or not buffer.is_contiguous():
             raise TypeError("destination tensor must be a contiguous 1-D uint8 tensor")
         return buffer
-    if len(buffer) == 0:
+    view = memoryview(buffer)
+    if not view.c_contiguous:
+        raise TypeError("buffer must be C-contiguous to be viewed as bytes")
+    if view.nbytes == 0:
         return torch.empty(0, dtype=torch.uint8)
     return torch.frombuffer(buffer, dtype=torch.uint8)
 
@@ -184,6 +195,36 @@ def split_points(tensors: Sequence[torch.Tensor], layout: PackPlan, chunk: int) 
     return points
 
 
+def _check_meta(meta: TensorMeta, size: int) -> None:
+    """Refuse a tensor-table entry that cannot be viewed in a ``size``-byte buffer.
+
+    ``TensorMeta`` validates itself when decoded, but ``unpack`` also takes tables
+    built by hand; this keeps its one promise (``WireFormatError``) for any of them.
+    """
+    shape = meta.shape
+    if not isinstance(shape, tuple) or len(shape) > MAX_NDIM:
+        what = f"{len(shape)} dims" if isinstance(shape, tuple) else type(shape).__name__
+        raise WireFormatError(f"shape must be a tuple of at most {MAX_NDIM} dims, not {what}")
+    for dim in shape:
+        if type(dim) is not int or not 0 <= dim <= I64_MAX:
+            raise WireFormatError(f"shape {shape!r} has a dimension outside [0, 2**63-1]")
+    if math.prod(d for d in shape if d) > I64_MAX:
+        raise WireFormatError(f"shape {shape!r}: the product of its dimensions exceeds 2**63-1")
+    itemsize = DTYPE_ITEMSIZE.get(meta.dtype)
+    if itemsize is None:
+        raise WireFormatError(f"dtype {meta.dtype!r} is not a wire dtype")
+    offset, nbytes = meta.offset, meta.nbytes
+    if type(offset) is not int or type(nbytes) is not int or offset < 0 or nbytes < 0:
+        raise WireFormatError(f"offset {offset!r} and nbytes {nbytes!r} must be integers >= 0")
+    if offset + nbytes > size:
+        raise WireFormatError(f"spans [{offset}, {offset + nbytes}) beyond the {size}-byte buffer")
+    if nbytes != math.prod(shape) * itemsize:
+        raise WireFormatError(
+            f"has {nbytes} bytes but shape {shape} of {meta.dtype} needs "
+            f"{math.prod(shape) * itemsize}"
+        )
+
+
 def unpack(
     buffer: torch.Tensor | memoryview | bytearray,
     metas: Sequence[TensorMeta],
@@ -198,20 +239,28 @@ def unpack(
         copy: return owned tensors (True) or views of ``buffer`` (False), which are
             valid only while the buffer is.
 
+    Returns:
+        One tensor per entry of ``metas``, in order, with exactly its dtype and shape.
+
     Raises:
-        WireFormatError: a tensor lies outside the buffer or names an unknown dtype.
+        WireFormatError: an entry cannot be viewed in the buffer: it lies outside it,
+            names an unknown dtype, has a shape torch cannot build (a dimension
+            outside [0, 2**63-1], too many dimensions, an overflowing product), a
+            byte count that does not match its shape, or an offset the dtype cannot
+            start at. The message names the tensor (its path, else its index).
+        TypeError: ``buffer`` cannot be viewed as bytes (see :func:`as_byte_tensor`).
     """
     base = as_byte_tensor(buffer)
     size = base.numel()
     out = []
-    for meta in metas:
-        end = meta.offset + meta.nbytes
-        if end > size:
-            raise WireFormatError(
-                f"tensor {meta.path or meta.dtype} spans [{meta.offset}, {end}) "
-                f"beyond the {size}-byte buffer"
-            )
-        dtype = torch_dtype(meta.dtype)
-        view = base[meta.offset : end].view(dtype).view(meta.shape)
-        out.append(view.clone() if copy else view)
+    for i, meta in enumerate(metas):
+        try:
+            _check_meta(meta, size)
+            dtype = torch_dtype(meta.dtype)
+            view = base[meta.offset : meta.offset + meta.nbytes].view(dtype).view(meta.shape)
+            out.append(view.clone() if copy else view)
+        except (WireFormatError, RuntimeError, TypeError, ValueError, OverflowError) as exc:
+            name = repr(meta.path) if meta.path else f"#{i}"
+            why = str(exc).partition("\n")[0]  # torch appends a C++ trace to some errors
+            raise WireFormatError(f"tensor {name} ({meta.dtype}) {why}") from exc
     return out

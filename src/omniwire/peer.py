@@ -34,8 +34,8 @@ import anyio
 from .endpoint import Endpoint
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m omniwire.peer")
+def _parser(prog: str = "python -m omniwire.peer") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog)
     p.add_argument("--name", required=True)
     p.add_argument("--address", required=True)
     p.add_argument("--peer", action="append", default=[], help="NAME=ADDRESS")
@@ -108,8 +108,9 @@ async def run(args: argparse.Namespace) -> int:
     )
     handled = 0
     async with ep:
-        print(f"READY {ep.address}", flush=True)
         with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            # READY only once SIGTERM is handled: a stop right after it is a clean exit
+            print(f"READY {ep.address}", flush=True)
             async with anyio.create_task_group() as tg:
 
                 async def stop_on_signal() -> None:
@@ -154,8 +155,9 @@ async def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def main() -> None:
-    sys.exit(anyio.run(run, _parser().parse_args()))
+def main(argv: list[str] | None = None, prog: str = "python -m omniwire.peer") -> None:
+    """Run the peer with ``argv`` (default: the command line); exits with its status."""
+    sys.exit(anyio.run(run, _parser(prog).parse_args(argv)))
 
 
 if __name__ == "__main__":

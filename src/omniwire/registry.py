@@ -22,7 +22,7 @@ from types import MappingProxyType
 from typing import Literal
 
 from .backends.base import Availability, BackendBase, ByteBackend, Capabilities, ObjectBackend
-from .errors import BackendUnavailableError, OmniwireError
+from .errors import BackendUnavailableError, OmniwireError, UnknownNameError
 from .routing import RoutingPolicy
 
 __all__ = [
@@ -164,11 +164,16 @@ def backend_status(name: str) -> BackendEntry:
     """The entry for ``name``, loaded and with its status filled in.
 
     Raises:
-        KeyError: no backend of that name is registered.
+        UnknownNameError: no backend of that name is registered (a ``KeyError``).
     """
     _discover()
     with _lock:
-        entry = _entries[name]
+        entry = _entries.get(name)
+        if entry is None:
+            raise UnknownNameError(
+                f"no backend named {name!r} is registered; registered: "
+                f"{', '.join(sorted(_entries))}"
+            )
         _load(entry)
         return entry
 
@@ -177,7 +182,7 @@ def load_backend(name: str) -> type[BackendBase]:
     """The backend class registered as ``name``, if it can run here.
 
     Raises:
-        KeyError: no such backend.
+        UnknownNameError: no such backend (a ``KeyError``).
         BackendUnavailableError: its engine is missing here (with an install hint).
         PluginError: the plugin is broken.
     """
@@ -229,13 +234,15 @@ def load_policy(name: str) -> RoutingPolicy:
     """Instantiate the routing policy registered under ``name`` in ``omniwire.policies``.
 
     Raises:
-        KeyError: no such policy (the message lists the known ones).
+        UnknownNameError: no such policy (a ``KeyError``; the message lists the known ones).
         PluginError: it fails to load or is not a policy.
     """
     eps = {ep.name: ep for ep in metadata.entry_points(group=POLICY_GROUP)}
     ep = eps.get(name)
     if ep is None:
-        raise KeyError(f"no routing policy named {name!r}; known: {', '.join(sorted(eps))}")
+        raise UnknownNameError(
+            f"no routing policy named {name!r}; registered: {', '.join(sorted(eps))}"
+        )
     try:
         obj = ep.load()
     except Exception as exc:

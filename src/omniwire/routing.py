@@ -25,6 +25,7 @@ from .wire import INLINE_MAX_TENSOR_BYTES
 
 __all__ = [
     "INLINE",
+    "INLINE_ANY",
     "Candidate",
     "DefaultPolicy",
     "Edge",
@@ -123,6 +124,13 @@ INLINE = Candidate(
     summary="carried inside the control message: no buffer, no ACK",
 )
 
+#: From wire 1.1 small payloads ride inline too (the candidate offered to 1.1 peers).
+INLINE_ANY = Candidate(
+    INLINE.name,
+    replace(INLINE.capabilities, payloads=True),
+    summary=INLINE.summary,
+)
+
 _WHERE = {
     Locality.SAME_PROCESS: "same process",
     Locality.SAME_HOST: "same host",
@@ -173,8 +181,8 @@ def _describe(edge: Edge, payload: PayloadInfo) -> str:
 class DefaultPolicy:
     """Among the candidates that fit, the highest declared preference wins.
 
-    With the built-ins this gives: same process → local; small CPU stream chunk →
-    inline; CUDA tensors between GPUs of one host with peer access → cuda_ipc;
+    With the built-ins this gives: same process → local; a small CPU payload or
+    stream chunk (≤ 16 KiB of tensor data) → inline (payloads only to wire-1.1 peers); CUDA tensors between GPUs of one host with peer access → cuda_ipc;
     same host → shm; another host → mooncake, else nixl. Opt-in backends (nccl)
     are only used when an edge is configured for them. The policy is total: every
     legal edge gets a route. A backend that does not carry the payload's devices

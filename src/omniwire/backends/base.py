@@ -282,6 +282,12 @@ class BackendBase(abc.ABC):
         """Connection info for this endpoint's Hello (``BackendInfo.info``)."""
         return b""
 
+    def accepts(self, peer: PeerInfo) -> str | None:
+        """Why a peer's Hello must be refused (``bad_hello``) because of what it says
+        about this backend — e.g. it claims memory it cannot own — or None. Cheap and
+        synchronous: it runs for every Hello before anything is kept."""
+        return None
+
     async def connect(self, peer: PeerInfo) -> None:
         """A peer that runs this backend completed its Hello.
 

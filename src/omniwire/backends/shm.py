@@ -291,6 +291,7 @@ class ShmBackend(ByteBackend):
         progressive=True,
         zero_copy=True,
         mapped=True,
+        shared_refs=True,
         preference=80,
     )
 
@@ -333,22 +334,27 @@ class ShmBackend(ByteBackend):
     def hello(self) -> bytes:
         return _encoder.encode(_HelloInfo(self.prefix))
 
-    async def connect(self, peer: PeerInfo) -> None:
-        prefix = decode_blob(_hello_decoder, peer.info, f"shm hello info from {peer.name!r}").prefix
-        # A peer may only claim segments of its own process (spec §9.1): the prefix
+    def accepts(self, peer: PeerInfo) -> str | None:
+        try:
+            prefix = _hello_decoder.decode(peer.info).prefix
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            return f"malformed shm hello info: {exc}"
+        # A peer may only claim segments of its own process (spec §9.2): the prefix
         # carries its pid, and no other live peer holds the same prefix.
         m = _PREFIX.match(prefix)
         if m is None or int(m.group(1)) != peer.pid:
-            raise BackendError(
-                f"shm prefix {prefix[:80]!r} of {peer.name!r} is not "
-                f"'omniwire-{peer.pid}-<hex>' (its own pid)"
-            )
+            return f"shm prefix {prefix[:80]!r} is not 'omniwire-{peer.pid}-<hex>' (its own pid)"
         if prefix == self.prefix or any(
-            p == prefix and key != peer.key for key, p in self._prefixes.items()
+            p == prefix and key[0] != peer.name for key, p in self._prefixes.items()
         ):
-            raise BackendError(
-                f"shm prefix {prefix!r} of {peer.name!r} is already held by another endpoint"
-            )
+            return f"shm prefix {prefix!r} is already held by another endpoint"
+        return None
+
+    async def connect(self, peer: PeerInfo) -> None:
+        why = self.accepts(peer)
+        if why is not None:
+            raise BackendError(f"{peer.name!r}: {why}")
+        prefix = _hello_decoder.decode(peer.info).prefix
         self._prefixes[peer.key] = prefix
 
     def _new_segment(self, size: int) -> Segment:

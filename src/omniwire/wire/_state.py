@@ -1,4 +1,4 @@
-"""Per-peer protocol state (spec §7), sans-I/O.
+"""Per-peer protocol state (spec §7.3, §10.2), sans-I/O.
 
 Theory of operation
 -------------------
@@ -115,7 +115,7 @@ _LEGAL: dict[PeerState, frozenset[type]] = {
 
 def negotiate(hello: HelloMessage) -> tuple[int, int] | None:
     """The wire version to use with a peer: the highest version in both ranges
-    (spec §8), or None when the ranges share no major version."""
+    (spec §8.2), or None when the ranges share no major version."""
     ours_min, ours_max = (WIRE_VERSION[0], 0), WIRE_VERSION
     low = max(ours_min, hello.wire_min)
     high = min(ours_max, hello.wire_max)

@@ -1,0 +1,211 @@
+"""The pipeline example: encoder → thinker → talker, three processes, many requests.
+
+    python examples/pipeline/run.py [--requests 8] [--json]
+
+This process is the encoder; it starts the talker and the thinker as child
+processes (``stages.py``), sends every request at once — each served by its own
+task at every stage, with no dispatcher — aborts one of them midway, and checks
+what comes back against its own computation:
+
+- encoder → thinker: the features (64 KiB, shm); the encoder reads the request's
+  replies with ``ep.deliveries(request_id=...)``;
+- thinker → encoder and talker: every text token, as a fan-out
+  (``ep.stream(["encoder", "talker"], ...)``), then the hidden states (256 KiB) as
+  a fan-out packed once into one shared-memory buffer;
+- talker → thinker: the audio, with ``delivery.reply`` (the talker has no ``peers=``);
+- thinker → encoder: the audio and the text, with ``delivery.reply`` and
+  ``end_reply`` (the thinker has no ``peers=`` entry for the encoder either);
+- one request is aborted by the encoder: the thinker stops it and forwards the
+  abort to the talker.
+
+Exits 0 when every check passes. ``--json`` prints the results as one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import anyio
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from stages import audio_of, features_of, hidden_of, tokens_of  # noqa: E402
+
+from omniwire import Endpoint  # noqa: E402
+
+TOKENS = 4
+
+
+def address(name: str) -> str:
+    base = os.path.join(tempfile.gettempdir(), f"omniwire-pipeline-{os.getuid()}")
+    return f"ipc://{base}/{name}-{secrets.token_hex(3)}"
+
+
+def start(stage: str, *peers: str) -> tuple[subprocess.Popen[str], str]:
+    args = [sys.executable, str(HERE / "stages.py"), stage, "--address", address(stage)]
+    for peer in peers:
+        args += ["--peer", peer]
+    child = subprocess.Popen(args, stdout=subprocess.PIPE, text=True)
+    assert child.stdout is not None
+    ready = child.stdout.readline().strip()
+    if not ready.startswith("READY "):
+        child.kill()
+        raise SystemExit(f"the {stage} did not start (exit {child.wait()})")
+    return child, ready.split(" ", 1)[1]
+
+
+def stop(child: subprocess.Popen[str]) -> dict[str, Any]:
+    """SIGTERM a stage and read its report (its last line of output)."""
+    child.send_signal(signal.SIGTERM)
+    out, _ = child.communicate(timeout=60)
+    lines = out.strip().splitlines()
+    report: dict[str, Any] = json.loads(lines[-1]) if lines else {}
+    report["exit"] = child.returncode
+    return report
+
+
+async def request(ep: Endpoint, rid: str, abort: bool) -> dict[str, Any]:
+    """One request, in its own task: send, read the replies, maybe abort."""
+    result: dict[str, Any] = {"request": rid, "text": [], "status": "open"}
+    # the request's stream holds its replies from now on, before anything is sent
+    async with ep.deliveries(request_id=rid, from_stage="thinker") as replies:
+        features = features_of(rid)
+        metadata = {"tokens": TOKENS, "slow": abort}
+        await ep.send("thinker", {"features": features}, request_id=rid, metadata=metadata)
+        async for d in replies:
+            if d.kind == "stream_chunk":
+                result["text"].append(int(d.payload.item()))
+                if abort:
+                    await ep.abort(rid, "the client went away")
+                    result["status"] = "aborted"
+                    break
+            elif d.kind == "payload" and "hidden" in d.payload:  # the thinker's fan-out
+                result["hidden_ok"] = bool(torch.equal(d.payload["hidden"], hidden_of(features)))
+            elif d.kind == "payload":  # the reply: audio and text
+                expected = audio_of(hidden_of(features), tokens_of(features, TOKENS))
+                result["audio_ok"] = bool(torch.equal(d.payload["audio"], expected))
+                result["reply_tokens"] = d.payload["tokens"]
+            elif d.kind == "stream_end":
+                result["status"] = "done"
+            else:
+                result["status"] = f"{d.kind}: {d.error}"
+    return result
+
+
+async def encoder(n: int, thinker_address: str) -> list[dict[str, Any]]:
+    results: list[dict[str, Any]] = []
+    async with Endpoint(
+        "encoder", address=address("encoder"), peers={"thinker": thinker_address}
+    ) as ep:
+        await ep.wait_peer("thinker", 30)
+
+        async def one(i: int) -> None:
+            results.append(await request(ep, f"req-{i}", abort=i == 1))
+
+        with anyio.fail_after(120):
+            async with anyio.create_task_group() as tg:
+                for i in range(n):
+                    tg.start_soon(one, i)
+    return sorted(results, key=lambda r: int(r["request"].split("-")[1]))
+
+
+def check(
+    n: int, results: list[dict[str, Any]], thinker: dict[str, Any], talker: dict[str, Any]
+) -> list[str]:
+    problems = []
+    aborted = "req-1"
+    for r in results:
+        rid = r["request"]
+        expected = tokens_of(features_of(rid), TOKENS)
+        if rid == aborted:
+            if r["status"] != "aborted" or r["text"] != expected[:1]:
+                problems.append(f"{rid}: expected an abort after one token, got {r}")
+            continue
+        if r["status"] != "done":
+            problems.append(f"{rid}: ended {r['status']}")
+        if r["text"] != expected or r.get("reply_tokens") != expected:
+            problems.append(f"{rid}: text {r['text']} / {r.get('reply_tokens')} != {expected}")
+        if not r.get("hidden_ok"):
+            problems.append(f"{rid}: the fanned-out hidden states are missing or wrong")
+        if not r.get("audio_ok"):
+            problems.append(f"{rid}: the audio reply is missing or wrong")
+    served = sorted(f"req-{i}" for i in range(n) if i != 1)
+    for report in (thinker, talker):
+        stage = report.get("stage", "?")
+        if report.get("exit") != 0 or report.get("errors"):
+            problems.append(f"{stage}: exit {report.get('exit')}, errors {report.get('errors')}")
+        if sorted(report.get("served", [])) != served:
+            problems.append(f"{stage} served {sorted(report.get('served', []))}, expected {served}")
+        if report.get("aborted") != [aborted]:
+            problems.append(f"{stage} saw aborts {report.get('aborted')}, expected [{aborted!r}]")
+        if report.get("shm"):
+            problems.append(f"{stage} still holds {report['shm']} shm export(s)")
+    fanouts = thinker.get("fanouts", [])
+    if len(fanouts) != n - 1 or any(f != [["talker", "shm"], ["encoder", "shm"]] for f in fanouts):
+        problems.append(f"thinker fan-outs: {fanouts}")
+    if thinker.get("counters", {}).get("aborts_forwarded") != 1:
+        problems.append(f"the thinker did not forward the abort once: {thinker.get('counters')}")
+    return problems
+
+
+async def main_async(n: int) -> tuple[list[dict[str, Any]], dict[str, Any], dict[str, Any]]:
+    talker, talker_address = await anyio.to_thread.run_sync(start, "talker")
+    thinker, thinker_address = None, ""
+    try:
+        thinker, thinker_address = await anyio.to_thread.run_sync(
+            start, "thinker", f"talker={talker_address}"
+        )
+        results = await encoder(n, thinker_address)
+    finally:
+        reports = [
+            await anyio.to_thread.run_sync(stop, c) for c in (thinker, talker) if c is not None
+        ]
+    return results, reports[0], reports[1]
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(prog="run.py", description=__doc__.splitlines()[0])
+    p.add_argument("--requests", type=int, default=8)
+    p.add_argument("--json", action="store_true", help="print the results as one JSON line")
+    args = p.parse_args()
+    results, thinker, talker = anyio.run(main_async, args.requests)
+    problems = check(args.requests, results, thinker, talker)
+    if args.json:
+        print(
+            json.dumps(
+                {"results": results, "thinker": thinker, "talker": talker, "problems": problems}
+            )
+        )
+    else:
+        print(f"{'request':<8} {'status':<8} {'text tokens':<32} {'hidden':<7} audio")
+        for r in results:
+            print(
+                f"{r['request']:<8} {r['status']:<8} {r['text']!s:<32} "
+                f"{'ok' if r.get('hidden_ok') else '-':<7} {'ok' if r.get('audio_ok') else '-'}"
+            )
+        print(
+            f"thinker: served {len(thinker['served'])}, aborted {thinker['aborted']}, "
+            f"{len(thinker['fanouts'])} hidden-state fan-outs to talker+encoder over shm"
+        )
+        print(
+            f"talker:  served {len(talker['served'])}, aborted {talker['aborted']} (forwarded by the thinker)"
+        )
+        for problem in problems:
+            print(f"FAILED: {problem}", file=sys.stderr)
+        print("pipeline: OK" if not problems else "pipeline: FAILED")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

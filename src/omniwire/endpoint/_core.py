@@ -1,0 +1,69 @@
+"""What the parts of an endpoint share: its identity, configuration, sockets and counters."""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+from dataclasses import dataclass, field
+
+from .. import wire
+from .._ratelimit import RateLimitedLog
+from ..backends.base import BackendBase
+from ..control import ControlPlane
+from ..errors import EndpointClosedError, EndpointNotStartedError
+from ..observe import Observer
+from ._aborts import Aborts
+from ._config import EndpointConfig
+from ._outbox import Outbox
+from ._stats import Counters
+from ._supervisor import Supervisor
+
+__all__ = ["Core", "State"]
+
+log = logging.getLogger("omniwire.endpoint")
+
+
+class State(enum.Enum):
+    NEW = "new"
+    OPEN = "open"
+    CLOSING = "closing"
+    CLOSED = "closed"
+
+
+@dataclass(eq=False)
+class Core:
+    """One endpoint's shared state; each part (peers, sender, receiver) holds it."""
+
+    config: EndpointConfig
+    instance: int
+    host_id: str
+    devices: tuple[wire.DeviceInfo, ...]
+    control: ControlPlane
+    supervisor: Supervisor
+    outbox: Outbox
+    counters: Counters
+    aborts: Aborts = field(default_factory=Aborts)
+    backends: dict[str, BackendBase] = field(default_factory=dict)
+    state: State = State.NEW
+    loop: asyncio.AbstractEventLoop | None = None
+    loop_thread: int = 0
+    #: Log records a peer can cause go through here: a few per cause, then a count.
+    noisy: RateLimitedLog = field(default_factory=lambda: RateLimitedLog(log, interval=10.0))
+    #: Told of sends, credit waits and deliveries; None (the default) costs nothing.
+    observer: Observer | None = None
+
+    @property
+    def name(self) -> str:
+        return self.config.name
+
+    def check_open(self) -> None:
+        """Raises EndpointNotStartedError / EndpointClosedError unless the endpoint is open."""
+        if self.state is State.OPEN:
+            return
+        if self.state is State.NEW:
+            raise EndpointNotStartedError(
+                f"endpoint {self.name!r} is not started: use `async with Endpoint(...)` "
+                "or `await endpoint.start()` first"
+            )
+        raise EndpointClosedError(f"endpoint {self.name!r} is closed")

@@ -1,0 +1,400 @@
+"""What arrived and waits for the application: the delivery queue, its consumers, its budget.
+
+Theory of operation
+-------------------
+The receiver hands every :class:`~omniwire.delivery.Delivery` to :meth:`Deliveries.put`;
+it is queued in arrival order and indexed by request id. Consumers take from the
+queue, each the *oldest* delivery it may take, so nothing is reordered:
+
+- **scoped** — ``receive(request_id=r)``, ``deliveries(request_id=r)`` and the
+  streams ``requests()`` yields: the deliveries of ``r`` (from ``from_stage``, if
+  given; an ``aborted`` delivery whatever stage it names);
+- **unscoped** — ``receive()``, ``async for d in ep``, ``deliveries()``: any
+  delivery (from ``from_stage``, if given) of a request nobody *holds*;
+- ``requests()`` — a :class:`DeliveryStream` for each request nobody holds, at its
+  first delivery.
+
+A request is **held** while a :class:`DeliveryStream` for it is open, or while a
+``receive(request_id=…)`` waits for it; its deliveries then go to its scoped
+consumers only. So a stage serves many requests at once, each in its own task,
+with no dispatcher: every task reads its own stream, and what arrives for a
+request whose task has not started yet waits in the queue for it. A stream ends
+after its request's ``stream_end``, ``error`` or ``aborted`` delivery.
+
+Budget. Undelivered objects are bounded (``receive_buffer`` deliveries,
+``receive_buffer_bytes`` bytes): the receiver takes a share of the budget before
+it copies an object and the share comes back when a consumer takes the delivery,
+so a slow application makes the receiver stop taking — and so stop acknowledging
+— instead of growing memory. Inline chunks, stream ends, errors and aborts are
+small and take no share.
+
+Deliveries nobody asks for. A delivery of a request nobody holds, waiting while
+its consumer never comes (a reply that arrives after its requester gave up, say),
+would keep its share forever and, once the budget is full, stop the data of every
+other request. So when **the budget is exhausted, some consumer is waiting for
+something else, and an unheld delivery has waited more than**
+``unclaimed_timeout`` seconds, that delivery is dropped (released, so its sender
+gets its ACK): the queue keeps, in its place, one ``error`` delivery of its
+request with ``cause="unclaimed"``, which a consumer that comes late still sees.
+Each drop is counted (``counters["deliveries_unclaimed"]``) and logged. A slow
+consumer loses nothing: nothing is dropped while no consumer waits, nor while
+the request is held.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import OrderedDict
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+import anyio
+
+from ..delivery import Delivery
+from ..errors import EndpointClosedError, EndpointNotStartedError
+from ..flow import Credits
+
+if TYPE_CHECKING:
+    from ._core import Core
+
+__all__ = ["TERMINAL", "Deliveries", "DeliveryStream"]
+
+#: The kinds that end a request's stream.
+TERMINAL = frozenset({"stream_end", "error", "aborted"})
+
+_TOMBSTONES = 1024  # "unclaimed" error deliveries kept at most (the oldest go first)
+
+
+class _Consumer:
+    """One waiting consumer: what it wants, and the event that wakes it."""
+
+    __slots__ = ("event", "from_stage", "request_id")
+
+    def __init__(self, request_id: str | None, from_stage: str | None) -> None:
+        self.request_id = request_id
+        self.from_stage = from_stage
+        self.event = anyio.Event()
+
+    def stage_ok(self, d: Delivery) -> bool:
+        return self.from_stage is None or d.from_stage == self.from_stage or d.kind == "aborted"
+
+
+class Deliveries:
+    """The queue of undelivered deliveries of one endpoint (see the module docstring)."""
+
+    def __init__(self, core: Core) -> None:
+        cfg = core.config
+        self.core = core
+        self.budget = Credits(cfg.receive_buffer, cfg.receive_buffer_bytes)
+        self._seq = itertools.count()
+        self._all: OrderedDict[int, Delivery] = OrderedDict()
+        self._by_request: dict[str, OrderedDict[int, Delivery]] = {}
+        #: request id -> {stage filter (None: every stage) -> streams/receives holding it}
+        self._holds: dict[str, dict[str | None, int]] = {}
+        self._scoped: dict[str, list[_Consumer]] = {}  # waiting, by request id
+        self._unscoped: list[_Consumer] = []  # waiting: receive(), requests()
+        self._tombstones: OrderedDict[str, int] = OrderedDict()  # request id -> seq
+        #: What deliveries reply through (the endpoint; set by it).
+        self.replier: Any = None
+
+    def __len__(self) -> int:
+        return len(self._all)
+
+    # -- in ------------------------------------------------------------------------
+
+    def put(self, delivery: Delivery) -> None:
+        delivery._replier = self.replier
+        seq = next(self._seq)
+        self._all[seq] = delivery
+        rid = delivery.request_id
+        queue = self._by_request.get(rid)
+        if queue is None:
+            queue = self._by_request[rid] = OrderedDict()
+        queue[seq] = delivery
+        for consumer in self._scoped.get(rid, ()):
+            if consumer.stage_ok(delivery):
+                consumer.event.set()
+        if self._unscoped and not self._held(delivery):
+            for consumer in self._unscoped:
+                if consumer.stage_ok(delivery):
+                    consumer.event.set()
+
+    # -- out -----------------------------------------------------------------------
+
+    async def receive(
+        self,
+        timeout: float | None,
+        request_id: str | None = None,
+        from_stage: str | None = None,
+    ) -> Delivery:
+        """The oldest delivery this consumer may take (see the module docstring).
+
+        Raises:
+            TimeoutError: none within ``timeout`` seconds.
+            EndpointNotStartedError, EndpointClosedError: nothing left and not open.
+        """
+        if request_id is None:
+            return await self._wait(_Consumer(None, from_stage), timeout)
+        self._hold(request_id, from_stage)
+        try:
+            return await self._wait(_Consumer(request_id, from_stage), timeout)
+        finally:
+            self._release(request_id, from_stage)
+
+    def stream(self, request_id: str | None, from_stage: str | None) -> DeliveryStream:
+        """A stream of the deliveries of ``request_id`` (held from now), or of every
+        unheld delivery when ``request_id`` is None."""
+        return DeliveryStream(self, request_id, from_stage)
+
+    async def next_request(self, from_stage: str | None) -> DeliveryStream:
+        """A held stream for the oldest request nobody holds (waiting for one).
+
+        Raises:
+            EndpointNotStartedError, EndpointClosedError: not open.
+        """
+        consumer = _Consumer(None, from_stage)
+        while True:
+            found = self._find(consumer)
+            if found is not None:
+                return DeliveryStream(self, found[1].request_id, from_stage)
+            await self._sleep(consumer, None)
+
+    async def _wait(self, consumer: _Consumer, timeout: float | None) -> Delivery:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            found = self._find(consumer)
+            if found is not None:
+                return self._take(*found)
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                what = "" if consumer.request_id is None else f" of request {consumer.request_id!r}"
+                if consumer.from_stage is not None:
+                    what += f" from {consumer.from_stage!r}"
+                raise TimeoutError(f"no delivery{what} within {timeout:g} s")
+            await self._sleep(consumer, left)
+
+    async def _sleep(self, consumer: _Consumer, timeout: float | None) -> None:
+        """Wait until a delivery this consumer may want arrives (or ``timeout``)."""
+        self.core.check_open()
+        consumer.event = anyio.Event()
+        rid = consumer.request_id
+        waiting = self._unscoped if rid is None else self._scoped.setdefault(rid, [])
+        waiting.append(consumer)
+        try:
+            with anyio.move_on_after(timeout):
+                await consumer.event.wait()
+        finally:
+            waiting.remove(consumer)
+            if rid is not None and not waiting:
+                del self._scoped[rid]
+
+    def _find(self, consumer: _Consumer) -> tuple[int, Delivery] | None:
+        rid = consumer.request_id
+        if rid is not None:
+            for seq, d in self._by_request.get(rid, {}).items():
+                if consumer.stage_ok(d):
+                    return seq, d
+            return None
+        if not self._holds and consumer.from_stage is None:
+            return next(iter(self._all.items()), None)  # the common case: O(1)
+        for seq, d in self._all.items():
+            if not self._held(d) and consumer.stage_ok(d):
+                return seq, d
+        return None
+
+    def _take(self, seq: int, d: Delivery) -> Delivery:
+        self._remove(seq, d)
+        self._give_back(d)
+        observer = self.core.observer
+        if observer is not None:
+            observer.taken(self.core.name, d)
+        return d
+
+    def _remove(self, seq: int, d: Delivery) -> None:
+        del self._all[seq]
+        rid = d.request_id
+        queue = self._by_request[rid]
+        del queue[seq]
+        if not queue:
+            del self._by_request[rid]
+        if d.cause == "unclaimed" and self._tombstones.get(rid) == seq:
+            del self._tombstones[rid]
+
+    # -- holds -----------------------------------------------------------------------
+
+    def _held(self, d: Delivery) -> bool:
+        holds = self._holds.get(d.request_id)
+        return holds is not None and (None in holds or d.from_stage in holds or d.kind == "aborted")
+
+    def _hold(self, request_id: str, from_stage: str | None) -> None:
+        holds = self._holds.setdefault(request_id, {})
+        holds[from_stage] = holds.get(from_stage, 0) + 1
+
+    def _release(self, request_id: str, from_stage: str | None, *, wake: bool = True) -> None:
+        holds = self._holds.get(request_id)
+        if holds is None or from_stage not in holds:
+            return
+        holds[from_stage] -= 1
+        if holds[from_stage] <= 0:
+            del holds[from_stage]
+            if not holds:
+                del self._holds[request_id]
+        queued = self._by_request.get(request_id)
+        if wake and queued and self._unscoped:  # what it held is anybody's now
+            for d in queued.values():
+                if not self._held(d):
+                    for consumer in self._unscoped:
+                        if consumer.stage_ok(d):
+                            consumer.event.set()
+
+    # -- aborts, expiry, close ---------------------------------------------------------
+
+    def drop(self, request_id: str) -> None:
+        """Drop the undelivered deliveries of an aborted request (zero-copy ones NACK)."""
+        for seq, d in list(self._by_request.get(request_id, {}).items()):
+            if d.kind != "aborted":
+                self._remove(seq, d)
+                d.release()
+                self._give_back(d)
+
+    def expire(self, now: float) -> int:
+        """Drop what blocks everyone (see the module docstring); returns how many."""
+        if not self.budget.waiting or not (self._unscoped or self._scoped):
+            return 0
+        limit = self.core.config.unclaimed_timeout
+        dropped = 0
+        for seq, d in list(self._all.items()):
+            if d._budget is None:
+                continue  # takes no share (and a tombstone's clock is its own)
+            if now - d.received_at <= limit:
+                break  # the rest arrived later
+            if self._held(d) or d.request_id in self._scoped:
+                continue
+            dropped += 1
+            self._unclaimed(seq, d, now)
+        if dropped:
+            self.core.counters["deliveries_unclaimed"] += dropped
+        return dropped
+
+    def _unclaimed(self, seq: int, d: Delivery, now: float) -> None:
+        rid = d.request_id
+        d.release()
+        self._give_back(d)
+        if rid in self._tombstones:  # the request already has its error in the queue
+            self._remove(seq, d)
+            return
+        error = (
+            f"a {d.kind} of request {rid!r} from {d.from_stage!r} waited "
+            f"{now - d.received_at:.0f} s for a consumer while the receive budget was "
+            "full and others waited: it was dropped"
+        )
+        tombstone = Delivery("error", rid, d.from_stage, d.chunk_id, error=error, cause="unclaimed")
+        tombstone._replier = self.replier
+        self._all[seq] = tombstone  # in its place: order holds
+        self._by_request[rid][seq] = tombstone
+        self._tombstones[rid] = seq
+        self.core.noisy.warning("unclaimed", "%s: %s", self.core.name, error)
+        if len(self._tombstones) > _TOMBSTONES:
+            _old_rid, old_seq = self._tombstones.popitem(last=False)
+            old = self._all.get(old_seq)
+            if old is not None:
+                self._remove(old_seq, old)
+
+    def close(self) -> None:
+        for d in self._all.values():
+            d.release()
+            self._give_back(d)
+        self._all.clear()
+        self._by_request.clear()
+        self._tombstones.clear()
+        for consumer in [*self._unscoped, *(c for cs in self._scoped.values() for c in cs)]:
+            consumer.event.set()
+
+    def _give_back(self, delivery: Delivery) -> None:
+        if delivery._budget is not None:
+            self.budget.release(delivery._budget)
+            delivery._budget = None
+
+
+class DeliveryStream:
+    """The deliveries of one request, in arrival order — or, without a request id,
+    every delivery of a request nobody holds.
+
+    An async iterator (``async for d in stream``) and an async context manager. A
+    request's stream holds the request from its creation (its deliveries go to it,
+    not to unscoped consumers) until it ends: after the request's ``stream_end``,
+    ``error`` or ``aborted`` delivery (from ``from_stage``, if given; an
+    ``aborted`` delivery whatever stage it names), when it is closed
+    (:meth:`aclose`, the end of ``async with``), or when the endpoint closes.
+    Close a stream you stop reading before its end, so that the rest of the
+    request goes to other consumers.
+    """
+
+    def __init__(self, queue: Deliveries, request_id: str | None, from_stage: str | None) -> None:
+        self.request_id = request_id
+        self.from_stage = from_stage
+        self._queue = queue
+        self._open = True
+        if request_id is not None:
+            queue._hold(request_id, from_stage)
+
+    @property
+    def ended(self) -> bool:
+        """True once the stream ended (its request's last delivery taken, or closed)."""
+        return not self._open
+
+    def __aiter__(self) -> DeliveryStream:
+        return self
+
+    async def __anext__(self) -> Delivery:
+        if not self._open:
+            raise StopAsyncIteration
+        try:
+            d = await self._queue._wait(_Consumer(self.request_id, self.from_stage), None)
+        except EndpointNotStartedError:
+            raise
+        except EndpointClosedError:
+            self.close()
+            raise StopAsyncIteration from None
+        if (
+            self.request_id is not None
+            and d.kind in TERMINAL
+            and (d.kind == "aborted" or self.from_stage in (None, d.from_stage))
+        ):
+            self.close()
+        return d
+
+    def close(self) -> None:
+        """Stop reading; later deliveries of the request go to other consumers. Idempotent."""
+        if self._open:
+            self._open = False
+            if self.request_id is not None:
+                self._queue._release(self.request_id, self.from_stage)
+
+    async def aclose(self) -> None:
+        self.close()
+
+    async def __aenter__(self) -> DeliveryStream:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        # A stream dropped unclosed must not hold its request forever; no wake-ups
+        # here (a finalizer may run anywhere): the next arrival wakes the consumers.
+        if getattr(self, "_open", False) and self.request_id is not None:
+            self._open = False
+            self._queue._release(self.request_id, self.from_stage, wake=False)
+
+    def __repr__(self) -> str:
+        scope = "any request" if self.request_id is None else f"request {self.request_id!r}"
+        if self.from_stage is not None:
+            scope += f" from {self.from_stage!r}"
+        return f"<DeliveryStream {scope}{' (ended)' if self.ended else ''}>"

@@ -1,0 +1,169 @@
+"""Frames in: decode, check, and hand each message to the part of the endpoint it is for.
+
+Nothing a peer sends can stop these loops: a frame that does not decode, a
+message that is illegal now, or a bug triggered by one is counted, logged at a
+bounded rate, and dropped; the loop goes on with the next frame.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from .. import wire
+from ..errors import (
+    EndpointClosedError,
+    ProtocolError,
+    RemoteProtocolError,
+    RequestAbortedError,
+    UnsupportedVersionError,
+    WireFormatError,
+)
+from ._core import Core
+from ._peers import PeerTable
+from ._receiver import Receiver
+from ._records import Peer
+from ._sender import Sender
+
+__all__ = ["Dispatcher"]
+
+log = logging.getLogger("omniwire.endpoint")
+
+
+class Dispatcher:
+    def __init__(self, core: Core, peers: PeerTable, sender: Sender, receiver: Receiver) -> None:
+        self.core = core
+        self.peers = peers
+        self.sender = sender
+        self.receiver = receiver
+
+    async def control_loop(self) -> None:
+        """Frames from every peer's PUSH into our PULL."""
+        control, receiver = self.core.control, self.receiver
+        while True:
+            try:
+                frames = await control.recv_many()
+            except EndpointClosedError:
+                return
+            for frame in frames:
+                for peer in self.on_frame(frame, abort_channel=False):
+                    await receiver.take_head(peer)
+
+    async def abort_loop(self) -> None:
+        """Frames from the PUB sockets of the peers we subscribed to."""
+        while True:
+            try:
+                frame = await self.core.control.recv_abort()
+            except EndpointClosedError:
+                return
+            self.on_frame(frame, abort_channel=True)
+
+    def on_frame(self, frame: bytes, *, abort_channel: bool) -> list[Peer]:
+        """Apply one frame; returns the peers whose inbox the caller may take from now."""
+        core = self.core
+        core.counters["frames_received"] += 1
+        try:
+            msg = wire.decode(frame)
+        except UnsupportedVersionError as exc:
+            core.counters["version_refused"] += 1
+            core.noisy.warning("version", "%s refused a frame: %s", core.name, exc)
+            return []
+        except WireFormatError as exc:
+            core.counters["decode_errors"] += 1
+            core.noisy.warning(
+                "decode", "%s dropped a malformed frame (%d bytes): %s", core.name, len(frame), exc
+            )
+            return []
+        messages = msg.messages if isinstance(msg, wire.BatchMessage) else (msg,)
+        takeable: list[Peer] = []
+        for m in messages:
+            try:
+                if abort_channel and not isinstance(m, wire.AbortMessage):
+                    raise RemoteProtocolError(f"{type(m).__name__} on the abort channel")
+                peer = self._apply(m)
+            except ProtocolError as exc:
+                core.counters["protocol_errors"] += 1
+                core.noisy.warning("protocol", "%s: %s", core.name, exc)
+            except Exception:  # a bug: count it, keep serving
+                core.counters["internal_errors"] += 1
+                log.exception("%s: failed to apply %s", core.name, type(m).__name__)
+            else:
+                if peer is not None and peer not in takeable:
+                    takeable.append(peer)
+        return takeable
+
+    def _apply(self, msg: wire.Message) -> Peer | None:
+        if isinstance(msg, wire.HelloMessage):
+            self.peers.on_hello(msg)
+            return None
+        if isinstance(msg, wire.RefusalMessage):
+            self.peers.on_refusal(msg)
+            return None
+        if isinstance(msg, wire.BatchMessage):
+            raise RemoteProtocolError("a BatchMessage inside a BatchMessage")
+        peer = self.peers.get(msg.from_stage)
+        if peer is None or peer.hello is None:
+            raise RemoteProtocolError(
+                f"{type(msg).__name__} from {msg.from_stage!r}, which has not said Hello"
+            )
+        if isinstance(msg, wire.DataReadyMessage):
+            if msg.to_stage != self.core.name and msg.data_ref is not None:
+                self._nack_misaddressed(peer, msg)
+            return peer if self.receiver.on_data_ready(peer, msg) else None
+        if isinstance(msg, wire.DataProgressMessage):
+            self.receiver.on_progress(peer, msg)
+        elif isinstance(msg, wire.DataAckMessage):
+            self.sender.on_ack(peer, msg)
+        elif isinstance(msg, wire.AbortMessage):
+            peer.session.check(msg)
+            self.abort(msg.request_id, msg.origin or msg.from_stage, msg.reason, via=peer.name)
+        elif isinstance(msg, wire.GoodbyeMessage):
+            self.peers.on_goodbye(peer, msg)
+        return None
+
+    def _nack_misaddressed(self, peer: Peer, msg: wire.DataReadyMessage) -> None:
+        assert msg.data_ref is not None
+        self.core.counters["nacks_sent"] += 1
+        self.core.outbox.post(
+            peer,
+            wire.DataAckMessage(
+                object_id=msg.data_ref.object_id,
+                from_stage=self.core.name,
+                to_stage=peer.name,
+                success=False,
+                error=f"addressed to {msg.to_stage!r}, not {self.core.name!r}",
+                reason="misaddressed",
+            ),
+        )
+        raise RemoteProtocolError(
+            f"DataReady from {peer.name!r} is addressed to {msg.to_stage!r}, not {self.core.name!r}"
+        )
+
+    def abort(self, request_id: str, origin: str, reason: str, *, via: str | None) -> None:
+        """Apply an abort (ours when ``via`` is None, else a peer's) and, the first time
+        this endpoint hears of the request's abort, pass it on."""
+        core = self.core
+        first = core.aborts.remember(request_id, origin)
+        core.counters["aborts"] += 1
+        error = RequestAbortedError(
+            f"request {request_id!r} was aborted by {origin!r}" + (f": {reason}" if reason else "")
+        )
+        core.aborts.cancel_request(request_id, error)
+        self.sender.on_abort(request_id, error)
+        self.receiver.on_abort(request_id, origin, reason, notify=first and via is not None)
+        if not first:
+            return
+        msg = wire.AbortMessage(
+            request_id=request_id,
+            from_stage=core.name,
+            reason=reason,
+            origin="" if origin == core.name else origin,
+        )
+        if via is None:
+            core.supervisor.spawn(core.control.publish, wire.encode(msg))
+        for name in core.aborts.sent_to(request_id):
+            peer = self.peers.get(name)
+            if peer is None or name == via or peer.status.value != "ready":
+                continue
+            core.outbox.post(peer, msg)
+            if via is not None:
+                core.counters["aborts_forwarded"] += 1

@@ -1,0 +1,476 @@
+"""``Endpoint``: the public face of one pipeline stage.
+
+The facade holds the configuration and the lifecycle and delegates each call
+to the part that does the work::
+
+    send/stream/end_stream ─► Sender (FanOut for several targets) ─► Outbox ─► ControlPlane (PUSH)
+    ControlPlane (PULL/SUB) ─► Dispatcher ─► PeerTable / Receiver / Sender(ACKs)
+    Receiver ─► Deliveries ─► receive() / deliveries() / requests() / async for
+
+``aclose()`` is cancel-safe: whatever cancels its caller, it says Goodbye,
+releases every object, stops the background tasks and closes backends and
+sockets (unlinking segments and socket files) before it returns or the
+cancellation goes on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+from collections.abc import Awaitable, Mapping, Sequence
+from types import TracebackType
+from typing import Any, overload
+
+from .. import hostinfo
+from ..backends.base import BackendBase
+from ..control import ControlPlane, CurveKey, parse_address
+from ..delivery import SendReceipt
+from ..errors import (
+    ConfigurationError,
+    OmniwireError,
+)
+from ..observe import Observer, as_observer
+from ..observe._observer import observed
+from ..routing import Route, RoutingPolicy
+from ._config import EndpointConfig
+from ._core import Core, State
+from ._dispatch import Dispatcher
+from ._fanout import FanOut
+from ._lifecycle import Lifecycle
+from ._outbox import Outbox
+from ._peers import PeerTable
+from ._receiver import Receiver
+from ._receiving import Receiving
+from ._records import InRecord, OutRecord, Peer
+from ._sender import Kind, Sender
+from ._stats import Counters, RouteStats
+from ._supervisor import Supervisor
+
+__all__ = ["Endpoint"]
+
+
+class Endpoint(Receiving):
+    """One stage of a pipeline: sends payloads and streams to peers, receives theirs.
+
+    Args:
+        name: this stage's name; peers address it by this name.
+        address: where this endpoint receives frames: ``ipc:///path`` on one host,
+            ``tcp://host:port`` across hosts. Default: a fresh ipc path.
+        peers: ``{stage name: address}`` of the peers this endpoint sends to.
+            Peers that send to it are learned from their Hello.
+        policy: a :class:`~omniwire.routing.RoutingPolicy`, or the name of one in
+            the ``omniwire.policies`` entry-point group. Default: ``DefaultPolicy``.
+        routes: per-edge overrides, ``{"far": "nixl", "far:stream_chunk": "shm"}``
+            (see :class:`~omniwire.routing.StaticTablePolicy`).
+        backends: names of the backends to run. Default: every available backend
+            that starts automatically (local, shm, cuda_ipc; mooncake and nixl too
+            when ``address`` is ``tcp://``).
+        backend_options: ``{backend name: {option: value}}``.
+        max_inflight, max_inflight_bytes: credits per peer: objects and bytes sent
+            and not yet acknowledged. A send waits for a credit.
+        ack_timeout: seconds a peer has to acknowledge an object (and to grant a
+            credit, or to take a frame) before the send fails.
+        handshake_timeout: seconds to wait for a peer's Hello before a send fails.
+        peer_timeout: seconds a peer may stay disconnected, or take no frame, before
+            it is declared lost (at once if it is on this host and its process died).
+        heartbeat_interval: ZMTP heartbeat period; a silent connection is dropped
+            after three periods.
+        zero_copy: deliver views of the sender's memory, acknowledged on
+            ``Delivery.release()``, instead of owned copies.
+        receive_buffer, receive_buffer_bytes: undelivered deliveries this endpoint
+            holds before it stops taking data (and so stops acknowledging).
+        unclaimed_timeout: seconds a delivery of a request nobody holds may keep its
+            share of that budget while the budget is full and other consumers wait;
+            then it is dropped and its request gets an ``error`` delivery with
+            ``cause="unclaimed"`` (see :meth:`deliveries`).
+        allow_pickle: accept (and allow sending) pickled header values. Only for
+            trusted peers.
+        auth_key: a shared secret; when set, the control plane runs ZMQ CURVE and
+            refuses peers without the same key. Default: ``$OMNIWIRE_AUTH_KEY``.
+        host_id: override the host identity (tests simulate hosts with it;
+            ``$OMNIWIRE_HOST_ID`` does the same).
+        progressive_chunk: large objects are announced in pieces of this size so a
+            copy-mode receiver copies while the sender packs (0 disables; objects to
+            zero-copy receivers are never split).
+        max_peers: the most peers served at once; more are refused (``peer_limit``).
+        observer: an :class:`~omniwire.observe.Observer` (or a list of them) told
+            of sends, credit waits and deliveries: metrics and tracing
+            (:mod:`omniwire.observe`). Default None: no observer call is made.
+
+    Raises:
+        ConfigurationError: an option is unusable (``AddressError`` for an address,
+            ``UnknownNameError`` for a backend, policy or route name), naming it.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        address: str | None = None,
+        peers: Mapping[str, str] | None = None,
+        policy: RoutingPolicy | str | None = None,
+        routes: Mapping[str, str] | None = None,
+        backends: Sequence[str] | None = None,
+        backend_options: Mapping[str, Mapping[str, Any]] | None = None,
+        max_inflight: int = 16,
+        max_inflight_bytes: int = 1 << 30,
+        ack_timeout: float = 30.0,
+        handshake_timeout: float = 10.0,
+        peer_timeout: float = 5.0,
+        heartbeat_interval: float = 1.0,
+        zero_copy: bool = False,
+        receive_buffer: int = 64,
+        receive_buffer_bytes: int = 1 << 30,
+        unclaimed_timeout: float = 30.0,
+        allow_pickle: bool = False,
+        auth_key: str | bytes | None = None,
+        host_id: str | None = None,
+        progressive_chunk: int = 16 << 20,
+        max_peers: int = 256,
+        observer: Observer | Sequence[Observer] | None = None,
+    ) -> None:
+        cfg = EndpointConfig.build(
+            name,
+            address=address,
+            peers=peers,
+            policy=policy,
+            routes=routes,
+            backends=backends,
+            backend_options=backend_options,
+            max_inflight=max_inflight,
+            max_inflight_bytes=max_inflight_bytes,
+            ack_timeout=ack_timeout,
+            handshake_timeout=handshake_timeout,
+            peer_timeout=peer_timeout,
+            heartbeat_interval=heartbeat_interval,
+            zero_copy=zero_copy,
+            receive_buffer=receive_buffer,
+            receive_buffer_bytes=receive_buffer_bytes,
+            unclaimed_timeout=unclaimed_timeout,
+            allow_pickle=allow_pickle,
+            auth_key=auth_key,
+            host_id=host_id,
+            progressive_chunk=progressive_chunk,
+            max_peers=max_peers,
+        )
+        key = auth_key if auth_key is not None else os.environ.get("OMNIWIRE_AUTH_KEY") or None
+        counters: Counters = Counters()
+        supervisor = Supervisor(name, counters)
+        control = ControlPlane(
+            cfg.address,
+            key=CurveKey.from_shared_secret(key) if key else None,
+            heartbeat_interval=heartbeat_interval,
+            heartbeat_timeout=3 * heartbeat_interval,
+        )
+        self._core = core = Core(
+            config=cfg,
+            instance=secrets.randbits(63),
+            host_id=host_id or hostinfo.host_id(),
+            devices=hostinfo.local_devices(),
+            control=control,
+            supervisor=supervisor,
+            outbox=Outbox(control, supervisor),
+            counters=counters,
+            observer=as_observer(observer),
+        )
+        self._peers = PeerTable(core, self._on_ready, self._on_gone)
+        trace = os.environ.get("OMNIWIRE_TRACE", "") not in ("", "0")
+        self._sender = Sender(core, self._peers, trace)
+        self._receiver = Receiver(core, self._peers)
+        self._receiver.deliveries.replier = self
+        self._fanout = FanOut(self._sender)
+        self._dispatch = Dispatcher(core, self._peers, self._sender, self._receiver)
+        self._life = Lifecycle(
+            self, core, self._peers, self._sender, self._receiver, self._dispatch
+        )
+        #: Named event counts (frames, refusals, peers lost, ...); a missing name reads 0.
+        self.counters = counters
+
+    # -- properties -------------------------------------------------------------------
+
+    @property
+    def name(self) -> str:
+        return self._core.name
+
+    @property
+    def address(self) -> str:
+        """The bound control address (with the real port for ``tcp://host:0``)."""
+        return self._core.control.address
+
+    @property
+    def instance(self) -> int:
+        return self._core.instance
+
+    @property
+    def policy(self) -> RoutingPolicy:
+        return self._core.config.policy
+
+    @property
+    def observer(self) -> Observer | None:
+        """The observer given as ``observer=`` (several are combined into one)."""
+        return self._core.observer
+
+    @property
+    def route_stats(self) -> dict[tuple[str, str, str], RouteStats]:
+        """What each (peer, kind, backend) route carried."""
+        return self._sender.route_stats
+
+    # -- lifecycle ----------------------------------------------------------------------
+
+    async def __aenter__(self) -> Endpoint:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        try:
+            if exc_type is None and self._core.state is State.OPEN:
+                with contextlib.suppress(OmniwireError):
+                    await self.drain(timeout=min(self._core.config.ack_timeout, 5.0))
+        finally:
+            await self.aclose()
+
+    async def start(self) -> None:
+        """Bind the control plane, start the backends, say Hello to the peers.
+
+        Raises:
+            ConfigurationError: run outside asyncio (omniwire needs pyzmq's asyncio).
+            AddressInUseError: the address is served by a live process.
+            BackendUnavailableError: a backend named in ``backends`` cannot run here.
+            BackendError: a backend failed to start.
+            OmniwireError: started twice.
+        """
+        await self._life.start()
+
+    async def aclose(self, reason: str = "") -> None:
+        """Close: say Goodbye to the peers, NACK what was not taken, fail what is in
+        flight, release every buffer and segment, close the sockets. Idempotent and
+        cancel-safe (everything is released even if the caller is cancelled)."""
+        await self._life.aclose(reason)
+
+    # -- peers ------------------------------------------------------------------------
+
+    def add_peer(self, name: str, address: str) -> None:
+        """Connect to a peer; the Hello exchange follows in the background.
+
+        Raises:
+            AddressError: ``address`` is not usable. ConfigurationError: ``name`` is ours.
+            EndpointNotStartedError, EndpointClosedError.
+        """
+        self._core.check_open()
+        if name == self.name:
+            raise ConfigurationError(f"endpoint {name!r} cannot be its own peer")
+        parse_address(address, what=f"add_peer({name!r})")
+        self._peers.add(name, address)
+
+    async def wait_peer(self, name: str, timeout: float | None = None) -> None:
+        """Wait until ``name`` completed its handshake (also a peer not known yet).
+
+        Raises:
+            HandshakeError: it did not within ``timeout`` (default: handshake_timeout).
+            PeerRefusedError: it refused this endpoint (e.g. ``NameClashError``).
+            PeerLostError: it was lost and did not come back in time.
+        """
+        wait = self._core.config.handshake_timeout if timeout is None else timeout
+        await self._peers.wait_ready(name, wait, unknown_ok=True)
+
+    def peer_names(self) -> list[str]:
+        """Peers that completed their handshake and are not lost or closed."""
+        return [p.name for p in self._peers.ready()]
+
+    # -- sending ----------------------------------------------------------------------
+
+    @overload
+    async def send(
+        self,
+        target: str,
+        payload: Any,
+        *,
+        request_id: str,
+        metadata: Any = None,
+        lend: bool = False,
+    ) -> SendReceipt: ...
+
+    @overload
+    async def send(
+        self,
+        target: Sequence[str],
+        payload: Any,
+        *,
+        request_id: str,
+        metadata: Any = None,
+        lend: bool = False,
+    ) -> list[SendReceipt]: ...
+
+    async def send(
+        self,
+        target: str | Sequence[str],
+        payload: Any,
+        *,
+        request_id: str,
+        metadata: Any = None,
+        lend: bool = False,
+    ) -> SendReceipt | list[SendReceipt]:
+        """Send one payload to ``target``, or to each of several targets (a fan-out).
+
+        Returns once the data is handed off (packed into the backend's buffer and
+        announced); the sender's buffer stays reserved until the ACK, which the
+        returned receipt reports. Waits for a credit when too much is in flight.
+        With ``lend=True`` an engine may read the payload's tensors in place (no
+        pack copy): do not modify them until the receipt completes.
+
+        A fan-out (``target`` a list of names) encodes the payload once and routes
+        each target on its own: each gets its own route, credit and receipt
+        (returned in target order). Targets on a backend that shares references
+        (``Capabilities.shared_refs``: shm) read one buffer, packed once and
+        released when the last of them acknowledges; other backends get one export
+        per target.
+
+        Raises:
+            TypeError: the payload holds a value the codec refuses (naming its path).
+            ValueError: an empty fan-out, or a target named twice.
+            HandshakeError: ``target`` did not complete its Hello in time
+                (``PeerRefusedError`` if it refused this endpoint).
+            NoRouteError: the policy found no backend for this edge.
+            AckTimeoutError: no credit was granted within ``ack_timeout``.
+            PeerLostError: the peer died, closed or hung (whenever it happened).
+            RequestAbortedError, EndpointClosedError, BackendError.
+            A fan-out raises on the first target that fails; the targets announced
+            before it keep their data until their ACK.
+        """
+        if self._core.observer is None and isinstance(target, str):
+            return await self._sender.send(target, payload, request_id, "payload", metadata, lend)
+        return await self._send("payload", target, payload, request_id, metadata, lend)
+
+    @overload
+    async def stream(
+        self, target: str, chunk: Any, *, request_id: str, metadata: Any = None
+    ) -> SendReceipt: ...
+
+    @overload
+    async def stream(
+        self, target: Sequence[str], chunk: Any, *, request_id: str, metadata: Any = None
+    ) -> list[SendReceipt]: ...
+
+    async def stream(
+        self, target: str | Sequence[str], chunk: Any, *, request_id: str, metadata: Any = None
+    ) -> SendReceipt | list[SendReceipt]:
+        """Send the next chunk of the stream ``request_id`` to ``target`` (in order),
+        or to each of several targets (a fan-out, as in :meth:`send`).
+
+        Raises: as :meth:`send`; ``PeerUnresponsiveError`` when an inline chunk is
+        not taken within ``ack_timeout``.
+        """
+        if self._core.observer is None and isinstance(target, str):
+            return await self._sender.send(
+                target, chunk, request_id, "stream_chunk", metadata, False
+            )
+        return await self._send("stream_chunk", target, chunk, request_id, metadata, False)
+
+    async def end_stream(
+        self,
+        target: str | Sequence[str],
+        *,
+        request_id: str,
+        error: str | None = None,
+        metadata: Any = None,
+    ) -> None:
+        """End the stream ``request_id`` to ``target`` (or to each of several),
+        optionally with an error.
+
+        Raises: HandshakeError, PeerLostError (``PeerUnresponsiveError`` when the frame
+        is not taken within ``ack_timeout``), RequestAbortedError, EndpointClosedError.
+        """
+
+        def call(traceparent: str) -> Awaitable[None]:
+            if isinstance(target, str):
+                return self._sender.end_stream(target, request_id, error, metadata, traceparent)
+            return self._fanout.end_stream(target, request_id, error, metadata, traceparent)
+
+        observer = self._core.observer
+        if observer is None:
+            return await call("")
+        await observed(observer, self.name, _names(target), request_id, "stream_end", call)
+
+    async def _send(
+        self,
+        kind: Kind,
+        target: str | Sequence[str],
+        payload: Any,
+        request_id: str,
+        metadata: Any,
+        lend: bool,
+    ) -> SendReceipt | list[SendReceipt]:
+        """A fan-out, or any send under an observer."""
+
+        def call(traceparent: str) -> Awaitable[SendReceipt | list[SendReceipt]]:
+            if isinstance(target, str):
+                return self._sender.send(
+                    target, payload, request_id, kind, metadata, lend, traceparent
+                )
+            return self._fanout.send(target, payload, request_id, kind, metadata, lend, traceparent)
+
+        observer = self._core.observer
+        if observer is None:
+            return await call("")
+        return await observed(observer, self.name, _names(target), request_id, kind, call)
+
+    def route(self, target: str, payload: Any, kind: Kind = "payload") -> Route:
+        """The route ``payload`` would take to ``target`` now, with the reasons.
+
+        Raises:
+            HandshakeError: ``target`` has not completed its Hello.
+            NoRouteError: the policy found no backend.
+        """
+        return self._sender.route(target, payload, kind)
+
+    async def abort(self, request_id: str, reason: str = "") -> None:
+        """Abort ``request_id`` everywhere: pending sends fail wherever they wait,
+        in-flight buffers are released on both sides, data of it that arrives later
+        is refused, and every peer that was sent data of it hears of it (and passes
+        it on down the pipeline)."""
+        self._core.check_open()
+        self._dispatch.abort(request_id, self.name, reason, via=None)
+
+    async def drain(self, timeout: float | None = None) -> None:
+        """Wait until every object sent so far was acknowledged (or failed).
+
+        Raises:
+            DrainTimeoutError: some are still unacknowledged after ``timeout`` seconds.
+        """
+        await self._sender.drain(timeout)
+
+    # -- introspection ----------------------------------------------------------------
+
+    def backend(self, name: str) -> BackendBase:
+        """The running backend instance ``name`` (for stats and tests)."""
+        return self._core.backends[name]
+
+    @property
+    def running_backends(self) -> list[str]:
+        return list(self._core.backends)
+
+    def in_flight(self) -> dict[str, tuple[int, int]]:
+        """Per peer: (objects sent and not acknowledged, objects received and not acknowledged)."""
+        out, inn = self._sender.in_flight(), self._receiver.in_flight()
+        return {name: (out.get(name, 0), inn.get(name, 0)) for name in out.keys() | inn.keys()}
+
+    # -- wiring -------------------------------------------------------------------------
+
+    def _on_ready(self, peer: Peer) -> None:
+        self._receiver.on_ready(peer)
+
+    def _on_gone(
+        self, peer: Peer, out: list[OutRecord], inn: list[InRecord], cause: str, error: Any
+    ) -> None:
+        self._sender.on_peer_gone(peer, out, error)
+        self._receiver.on_peer_gone(peer, inn, cause, error)
+
+
+def _names(target: str | Sequence[str]) -> tuple[str, ...]:
+    return (target,) if isinstance(target, str) else tuple(target)

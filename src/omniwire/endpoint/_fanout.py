@@ -1,0 +1,164 @@
+"""Fan-out: one payload to several targets, encoded once, packed once where it can be.
+
+``send([a, b, c], payload)`` encodes the payload and plans its layout once, then
+routes each target on its own: each gets its own route, credit, object id and
+receipt. Targets whose route is a backend with ``Capabilities.shared_refs`` (shm)
+share one export — packed once, announced to each, released when the last of
+them acknowledges (:class:`~._records.SharedExport`). Every other target gets an
+export of its own from the same encoding (``local`` hands each target its own
+containers, as for single sends). Shared objects are never announced in pieces.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any
+
+from .. import codec, packing
+from ..backends.base import ByteBackend
+from ..delivery import SendReceipt
+from ..errors import RequestAbortedError
+from ..routing import Route
+from ._records import Peer, SharedExport
+from ._sender import Kind, Sender, _pack, payload_info
+
+__all__ = ["FanOut", "check_targets"]
+
+
+def check_targets(targets: Sequence[str]) -> list[str]:
+    """The target names of a fan-out, checked.
+
+    Raises:
+        ValueError: no target, or one named twice. TypeError: a name is not a str.
+    """
+    names = list(targets)
+    if not names:
+        raise ValueError("send to several targets needs at least one target")
+    for name in names:
+        if not isinstance(name, str):
+            raise TypeError(f"target names must be str, not {type(name).__name__} ({name!r})")
+    twice = sorted(n for n, k in Counter(names).items() if k > 1)
+    if twice:
+        raise ValueError(f"targets named more than once: {', '.join(map(repr, twice))}")
+    return names
+
+
+class FanOut:
+    def __init__(self, sender: Sender) -> None:
+        self.sender = sender
+
+    async def send(
+        self,
+        targets: Sequence[str],
+        payload: Any,
+        request_id: str,
+        kind: Kind,
+        metadata: Any,
+        lend: bool,
+        traceparent: str,
+    ) -> list[SendReceipt]:
+        """Send ``payload`` to every target; the receipts, in target order.
+
+        Raises: as ``Endpoint.send``, on the first target that fails (targets
+        announced before it keep their data until their ACK).
+        """
+        sender, core = self.sender, self.sender.core
+        names = check_targets(targets)
+        core.check_open()
+        if core.aborts.is_aborted(request_id):
+            raise RequestAbortedError(f"request {request_id!r} was aborted")
+        enc = codec.dumps(payload, allow_pickle=core.config.allow_pickle)
+        meta = sender.metadata(metadata)
+        layout = packing.plan(enc.tensors, enc.paths)
+        info = payload_info(kind, enc.tensors, layout)
+        with contextlib.ExitStack() as guards:
+            for name in names:
+                guards.enter_context(core.aborts.guard(request_id, name))
+            deadline = time.monotonic() + core.config.handshake_timeout
+            peers = [
+                await sender.peers.wait_ready(name, max(0.0, deadline - time.monotonic()))
+                for name in names
+            ]
+            routes = [sender.select(peer, info) for peer in peers]
+            sharing = self._shared_backends(routes)
+            exports: dict[str, SharedExport] = {}
+            receipts: list[SendReceipt] = []
+            try:
+                for peer, route in zip(peers, routes, strict=True):
+                    shared = None
+                    if route.backend in sharing:
+                        shared = exports.get(route.backend)
+                        if shared is None:
+                            shared = await self._export(peer, route, enc, layout, lend)
+                            exports[route.backend] = shared
+                    receipts.append(
+                        await sender.send_routed(
+                            peer,
+                            route,
+                            enc,
+                            layout,
+                            payload,
+                            request_id,
+                            kind,
+                            meta,
+                            lend,
+                            traceparent,
+                            shared,
+                        )
+                    )
+            finally:
+                for shared in exports.values():
+                    shared.drop()  # the fan-out's own hold: the last ACK releases the buffer
+        return receipts
+
+    async def end_stream(
+        self,
+        targets: Sequence[str],
+        request_id: str,
+        error: str | None,
+        metadata: Any,
+        traceparent: str,
+    ) -> None:
+        for name in check_targets(targets):
+            await self.sender.end_stream(name, request_id, error, metadata, traceparent)
+
+    def _shared_backends(self, routes: list[Route]) -> set[str]:
+        """Backends that carry several of the targets and can share one export."""
+        backends = self.sender.core.backends
+        shared = set()
+        for name, count in Counter(r.backend for r in routes).items():
+            backend = backends.get(name)
+            if (
+                count > 1
+                and isinstance(backend, ByteBackend)
+                and type(backend).capabilities.shared_refs
+            ):
+                shared.add(name)
+        return shared
+
+    async def _export(
+        self,
+        peer: Peer,
+        route: Route,
+        enc: codec.Encoded,
+        layout: packing.PackPlan,
+        lend: bool,
+    ) -> SharedExport:
+        """One export for every target on ``route``, packed (once) in full."""
+        backend = self.sender.core.backends[route.backend]
+        assert isinstance(backend, ByteBackend)
+        info = self.sender.peers.connected_backend(peer, route.backend)
+        export = await backend.export_tensors(info, enc.tensors, lent=lend)
+        if export is None:
+            device = next((str(t.device) for t in enc.tensors if t.device.type != "cpu"), "cpu")
+            export = await backend.export(info, layout.nbytes, device)
+            try:
+                assert export.buffer is not None
+                await _pack(export.buffer, enc.tensors, layout, 0, layout.nbytes)
+            except BaseException:
+                export.release()
+                raise
+        return SharedExport(export)

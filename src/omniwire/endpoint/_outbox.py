@@ -1,0 +1,240 @@
+"""The one way frames leave an endpoint.
+
+Every message to a peer goes through :meth:`Outbox.post` (fire and forget) or
+:meth:`Outbox.send` (returns once the message is on its way, waiting — bounded —
+only when the peer has stopped taking frames). Messages queue per peer and are
+flushed at the end of the event-loop iteration they were posted in: what one
+iteration posted to a peer leaves as one frame (a BatchMessage when there are
+several and the peer reads 1.1), so a burst of stream chunks, ACKs and progress
+costs one socket send and one decode on the other side. Order per peer is
+posting order, always.
+
+A frame ZeroMQ cannot take right away (the peer's queue is full) waits in the
+peer's backlog, which one drain task empties in order; how long its head has
+waited tells the peer table whether the peer still takes frames.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from typing import TYPE_CHECKING
+
+import anyio
+
+from .. import wire
+from ..control import ControlPlane
+from ..errors import OmniwireError, PeerUnresponsiveError
+
+if TYPE_CHECKING:
+    from ._records import Peer
+    from ._supervisor import Supervisor
+
+__all__ = ["Outbox"]
+
+#: Messages queued to one peer before ``send`` waits for ZeroMQ to take some.
+_SEND_LIMIT = 256
+#: Most messages in one BatchMessage (the wire allows 4096).
+_BATCH_MAX = 1024
+#: Batches stay well under the 16 MiB frame limit.
+_BATCH_BYTES = 4 << 20
+_BATCHABLE = (
+    wire.DataReadyMessage,
+    wire.DataProgressMessage,
+    wire.DataAckMessage,
+    wire.AbortMessage,
+)
+
+
+class _Queue:
+    """What waits to leave for one peer: messages of this iteration, then frames
+    ZeroMQ could not take yet."""
+
+    __slots__ = ("backlog", "draining", "error", "messages", "peer", "room", "since")
+
+    def __init__(self, peer: Peer) -> None:
+        self.peer = peer
+        self.messages: list[wire.Message] = []
+        self.backlog: deque[bytes] = deque()
+        self.draining = False
+        self.since = 0.0  # when the backlog's head started to wait
+        self.room: anyio.Event | None = None  # set when ``send`` may go on
+        self.error: OmniwireError | None = None  # why it was dropped
+
+    def __len__(self) -> int:
+        return len(self.messages) + len(self.backlog)
+
+
+class Outbox:
+    """Per-peer ordered queues in front of the control plane's PUSH sockets."""
+
+    def __init__(self, control: ControlPlane, supervisor: Supervisor) -> None:
+        self._control = control
+        self._supervisor = supervisor
+        self._queues: dict[str, _Queue] = {}
+        self._dirty: list[_Queue] = []
+        self._scheduled = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._emptied = anyio.Event()  # set when nothing waits any more
+
+    # -- the API ---------------------------------------------------------------------
+
+    def post(self, peer: Peer, msg: wire.Message) -> None:
+        """Queue ``msg`` to ``peer``; it leaves after everything posted before it."""
+        queue = self._queues.get(peer.name)
+        if queue is None:
+            queue = self._queues[peer.name] = _Queue(peer)
+        if not queue.messages:
+            self._dirty.append(queue)
+        queue.messages.append(msg)
+        if not self._scheduled:
+            self._scheduled = True
+            loop = self._loop or asyncio.get_running_loop()
+            self._loop = loop
+            loop.call_soon(self._flush)
+
+    async def send(self, peer: Peer, msg: wire.Message, timeout: float) -> None:
+        """Post ``msg``; wait only while too much is queued to ``peer`` (it takes no frames).
+
+        Raises:
+            PeerUnresponsiveError: the peer took no frame for ``timeout`` seconds.
+        """
+        self.post(peer, msg)
+        queue = self._queues[peer.name]
+        if len(queue) <= _SEND_LIMIT:
+            return
+        deadline = time.monotonic() + timeout
+        while len(queue) > _SEND_LIMIT and self._queues.get(peer.name) is queue:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise PeerUnresponsiveError(
+                    f"peer {peer.name!r} took no frame for {timeout:g} s (stopped, hung or "
+                    "overloaded)"
+                )
+            queue.room = anyio.Event()
+            with anyio.move_on_after(left):
+                await queue.room.wait()
+        if queue.error is not None:
+            raise queue.error
+
+    def refuse(self, address: str, msg: wire.RefusalMessage) -> bool:
+        """Best effort: a Refusal to an address that is no peer of ours (rate-limited)."""
+        return self._control.send_once(address, wire.encode(msg))
+
+    def waiting_for(self, peer: str, now: float) -> float:
+        """Seconds the oldest frame to ``peer`` has waited for ZeroMQ (0: none)."""
+        queue = self._queues.get(peer)
+        return now - queue.since if queue is not None and queue.backlog else 0.0
+
+    def drop(self, peer: str, error: OmniwireError) -> None:
+        """Discard what is queued to a peer that is gone (its waiters move on)."""
+        queue = self._queues.pop(peer, None)
+        if queue is not None:
+            queue.error = error
+            queue.messages.clear()
+            queue.backlog.clear()
+            if queue.room is not None:
+                queue.room.set()
+        if not self._queues:
+            self._emptied.set()
+
+    async def flush(self, timeout: float) -> None:
+        """Send what is queued and wait until every backlog is empty, at most ``timeout`` s."""
+        self._flush()
+        with anyio.move_on_after(timeout):
+            while self._queues:
+                self._emptied = anyio.Event()
+                await self._emptied.wait()
+
+    # -- frames out ------------------------------------------------------------------
+
+    def _flush(self) -> None:
+        """Turn each peer's messages of this iteration into frames and send them."""
+        self._scheduled = False
+        dirty, self._dirty = self._dirty, []
+        for queue in dirty:
+            if self._queues.get(queue.peer.name) is not queue or not queue.messages:
+                continue
+            messages, queue.messages = queue.messages, []
+            for frame in _frames(queue.peer, messages):
+                self._send(queue, frame)
+            if not queue.backlog:
+                self._done(queue)
+
+    def _send(self, queue: _Queue, frame: bytes) -> None:
+        if not queue.backlog and self._control.send_nowait(queue.peer.name, frame):
+            return
+        if not queue.backlog:
+            queue.since = time.monotonic()
+        queue.backlog.append(frame)
+        if not queue.draining:
+            queue.draining = True
+            self._supervisor.spawn(self._drain, queue)
+
+    async def _drain(self, queue: _Queue) -> None:
+        name = queue.peer.name
+        try:
+            while queue.backlog and self._queues.get(name) is queue:
+                try:
+                    await self._control.send(name, queue.backlog[0])
+                except (KeyError, OmniwireError):  # socket gone: the peer is being dropped
+                    return
+                queue.backlog.popleft()
+                queue.since = time.monotonic()
+                if queue.room is not None and len(queue) <= _SEND_LIMIT:
+                    queue.room.set()
+        finally:
+            queue.draining = False
+            if not queue.backlog and not queue.messages:
+                self._done(queue)
+
+    def _done(self, queue: _Queue) -> None:
+        """Nothing left for this peer: forget its queue (a new one comes with the next post)."""
+        if queue.room is not None:
+            queue.room.set()
+        if self._queues.get(queue.peer.name) is queue and not queue.draining:
+            del self._queues[queue.peer.name]
+        if not self._queues:
+            self._emptied.set()
+
+
+def _frames(peer: Peer, messages: list[wire.Message]) -> list[bytes]:
+    """The frames for ``messages`` to ``peer``: runs of batchable messages become one
+    BatchMessage each (1.1 peers), everything else a frame of its own."""
+    version = peer.session.version
+    if len(messages) == 1 or version < (1, 1):
+        return [_frame(m, version) for m in messages]
+    frames: list[bytes] = []
+    run: list[wire.BatchedMessage] = []
+    for msg in messages:
+        if isinstance(msg, _BATCHABLE) and len(run) < _BATCH_MAX:
+            run.append(msg)
+            continue
+        frames += _batch(run, version)
+        run = []
+        if isinstance(msg, _BATCHABLE):
+            run.append(msg)
+        else:
+            frames.append(_frame(msg, version))
+    frames += _batch(run, version)
+    return frames
+
+
+def _batch(run: list[wire.BatchedMessage], version: tuple[int, int]) -> list[bytes]:
+    if not run:
+        return []
+    if len(run) == 1:
+        return [_frame(run[0], version)]
+    frame = wire.encode(wire.BatchMessage(messages=tuple(run)), version=version)
+    if len(frame) <= _BATCH_BYTES:
+        return [frame]
+    half = len(run) // 2  # rare: big messages; split until each batch fits
+    return _batch(run[:half], version) + _batch(run[half:], version)
+
+
+def _frame(msg: wire.Message, version: tuple[int, int]) -> bytes:
+    """One frame; Hellos and Refusals at our own version (the peer's is not known yet)."""
+    if isinstance(msg, wire.HelloMessage | wire.RefusalMessage):
+        return wire.encode(msg)
+    return wire.encode(msg, version=version)

@@ -1,0 +1,429 @@
+"""The peer table: handshake, liveness, loss and close (spec §4.1, §7).
+
+Theory of operation
+-------------------
+A peer enters the table in two ways: ``peers=``/``add_peer`` (we connect a PUSH
+to its address and keep connecting to it), or its own Hello (we validate the
+Hello, then connect to the address it carries). Each time our PUSH to a peer
+completes a ZeroMQ handshake we send it a Hello; each Hello that is not a
+reply gets a reply. A peer is READY once its Hello was accepted (the rules are
+in :mod:`._handshake`), every backend we share with it is connected and our
+PUSH is up.
+
+A peer ends as LOST (its process died, its connection stayed down for
+``peer_timeout``, it took no frame for ``peer_timeout``) or CLOSED (it said
+Goodbye). Either way every object in flight with it is handed to the sender
+and receiver to release, and its sockets, monitor and tasks are released. A
+peer we were configured with is connected again, so that its next instance
+finds us; one we only learned from its Hello is forgotten.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+
+import anyio
+
+from .. import hostinfo, wire
+from ..backends.base import PeerInfo
+from ..capabilities import Locality
+from ..control import PeerEvent, parse_address
+from ..errors import (
+    AddressError,
+    BackendError,
+    HandshakeError,
+    OmniwireError,
+    PeerClosedError,
+    PeerLostError,
+    PeerUnresponsiveError,
+    RemoteProtocolError,
+)
+from ..flow import Credits
+from ..routing import INLINE, INLINE_ANY, Candidate, Edge
+from ._core import Core
+from ._handshake import check_hello, hello_of, locality_of, peer_infos, refusal_error, refuse
+from ._records import InRecord, OutRecord, Peer, PeerStatus
+
+__all__ = ["PeerTable"]
+
+log = logging.getLogger("omniwire.endpoint")
+
+#: Called when a peer is gone: the peer, its objects in flight both ways, the
+#: delivery cause ("peer_lost" / "peer_closed") and the error for the sender side.
+GoneHook = Callable[[Peer, list[OutRecord], list[InRecord], str, PeerLostError], None]
+
+_TOMBSTONES = 256  # lost/closed peers remembered (for their error messages)
+
+
+class PeerTable:
+    def __init__(self, core: Core, on_ready: Callable[[Peer], None], on_gone: GoneHook) -> None:
+        self.core = core
+        self._on_ready = on_ready
+        self._on_gone = on_gone
+        self._peers: dict[str, Peer] = {}
+        self._changed = anyio.Event()  # a peer appeared
+
+    # -- lookups -------------------------------------------------------------------
+
+    def get(self, name: str) -> Peer | None:
+        return self._peers.get(name)
+
+    def all(self) -> list[Peer]:
+        return list(self._peers.values())
+
+    def ready(self) -> list[Peer]:
+        return [p for p in self._peers.values() if p.status is PeerStatus.READY]
+
+    def _new(self, name: str) -> Peer:
+        cfg = self.core.config
+        peer = Peer(
+            name=name,
+            session=wire.Session(local_name=cfg.name, peer_name=name),
+            credits=Credits(cfg.max_inflight, cfg.max_inflight_bytes),
+        )
+        self._peers[name] = peer
+        self._changed.set()
+        self._changed = anyio.Event()
+        return peer
+
+    # -- connecting ------------------------------------------------------------------
+
+    def add(self, name: str, address: str) -> Peer:
+        """Connect to a configured peer (its Hello exchange follows in the background).
+
+        Raises:
+            AddressError: ``address`` is not usable.
+        """
+        address = str(parse_address(address, what=f"peers[{name!r}]"))
+        peer = self._peers.get(name) or self._new(name)
+        peer.configured = peer.address = address
+        self._connect(peer)
+        return peer
+
+    def _connect(self, peer: Peer) -> None:
+        """Open our PUSH (and its monitor) to ``peer.address`` once."""
+        if peer.push_open or peer.address is None:
+            return
+        self.core.control.connect(peer.name, peer.address)  # AddressError: nothing opened
+        peer.push_open = True
+        peer.connected = False
+        self.core.supervisor.spawn(self._watch, peer)
+
+    def _disconnect(self, peer: Peer) -> None:
+        self.core.control.disconnect(peer.name)
+        self.core.control.unsubscribe(peer.name)
+        peer.push_open = peer.connected = False
+
+    async def _watch(self, peer: Peer) -> None:
+        """Connection events of our PUSH to ``peer``, until it is closed."""
+        async for event in self.core.control.events(peer.name):
+            if event is PeerEvent.UP:
+                peer.down_since = None
+                peer.connected = True
+                peer.auth_failure = ""
+                self.core.outbox.post(peer, hello_of(self.core, peer, reply=False))
+                self._maybe_ready(peer)
+            elif event is PeerEvent.DOWN:
+                if peer.down_since is None:
+                    peer.down_since = time.monotonic()
+                self._lost_if_dead(peer)
+            elif event is PeerEvent.AUTH_FAILED:
+                peer.auth_failure = "it refused our credentials (authentication key mismatch?)"
+                self.core.counters["auth_failed"] += 1
+                self.core.noisy.warning(
+                    "auth", "%s: %s %s", self.core.name, peer.name, peer.auth_failure
+                )
+                peer.notify()
+
+    # -- Hello, Refusal, Goodbye in ----------------------------------------------------
+
+    def on_hello(self, hello: wire.HelloMessage) -> None:
+        """Accept or refuse a Hello. Never raises for what a peer sent: a refusal is
+        sent back (best effort) and counted."""
+        refusal = check_hello(self.core, hello, self._peers.get(hello.endpoint), self.all())
+        if refusal is not None:
+            refuse(self.core, hello, *refusal)
+            return
+        peer = self._peers.get(hello.endpoint) or self._new(hello.endpoint)
+        outcome, lost_out, lost_in = peer.session.on_hello(hello)  # checked: cannot raise
+        if outcome is wire.HelloOutcome.RESTART:
+            self._end(peer, lost_out, lost_in, PeerStatus.LOST, "it restarted", PeerLostError)
+        if outcome is not wire.HelloOutcome.DUPLICATE:
+            peer.generation += 1
+            peer.status = PeerStatus.CONNECTING
+            peer.hello_done = False
+            peer.refusal = None
+            peer.reason = ""
+            peer.accepted_at = time.monotonic()
+        if peer.address is None or not peer.configured:
+            peer.address = str(parse_address(hello.address))
+        self._connect(peer)
+        if not hello.is_reply:
+            self.core.outbox.post(peer, hello_of(self.core, peer, reply=True))
+        if outcome is not wire.HelloOutcome.DUPLICATE:
+            self.core.supervisor.spawn(self._complete, peer, hello, peer.generation)
+
+    def on_refusal(self, msg: wire.RefusalMessage) -> None:
+        """A peer refused us: fail the waiters of the peer it concerns, at once."""
+        core = self.core
+        if msg.to_stage not in ("", core.name):
+            raise RemoteProtocolError(f"Refusal from {msg.from_stage!r} for {msg.to_stage!r}")
+        peer = self._peers.get(msg.addressed or msg.from_stage)
+        if peer is None or peer.status is PeerStatus.READY:
+            raise RemoteProtocolError(f"unexpected Refusal from {msg.from_stage!r} ({msg.code})")
+        core.counters["refusals_received"] += 1
+        peer.refusal = refusal_error(core, peer, msg)
+        core.noisy.warning("refused", "%s: %s", core.name, peer.refusal)
+        peer.notify()
+
+    def on_goodbye(self, peer: Peer, msg: wire.GoodbyeMessage) -> None:
+        out, inn = peer.session.on_goodbye(msg)
+        reason = f"it closed ({msg.reason})" if msg.reason else "it closed"
+        self._end(peer, out, inn, PeerStatus.CLOSED, reason, PeerClosedError)
+
+    async def _complete(self, peer: Peer, hello: wire.HelloMessage, generation: int) -> None:
+        """Connect the backends both ends run; then the peer may become READY."""
+        core = self.core
+        info: dict[str, PeerInfo] = {}
+        for name, pinfo in peer_infos(core, hello).items():
+            backend = core.backends[name]
+            try:
+                await backend.connect(pinfo)
+            except (OmniwireError, OSError, ValueError) as exc:
+                core.counters["backend_refused"] += 1
+                core.noisy.warning(
+                    "connect",
+                    "%s: backend %s cannot serve %s: %s",
+                    core.name,
+                    name,
+                    peer.name,
+                    exc,
+                )
+                continue
+            info[name] = pinfo
+        if peer.generation != generation:  # lost or restarted meanwhile
+            for name, pinfo in info.items():
+                await core.backends[name].disconnect(pinfo)
+            return
+        peer.info = info
+        locality = locality_of(core, hello)
+        peer.edge = Edge(
+            src=core.name,
+            dst=peer.name,
+            locality=locality,
+            src_devices=frozenset(d.kind for d in core.devices),
+            dst_devices=frozenset(d.kind for d in hello.devices) or frozenset({"cpu"}),
+            gpu_peer_access=locality is not Locality.CROSS_HOST
+            and hostinfo.gpu_peer_access(core.devices, hello.devices),
+        )
+        peer.candidates = (
+            INLINE_ANY if peer.session.version >= (1, 1) else INLINE,
+            *(
+                Candidate(n, type(core.backends[n]).capabilities, type(core.backends[n]).summary)
+                for n in info
+            ),
+        )
+        peer.route_cache = {}
+        if hello.abort_address:
+            core.control.subscribe(peer.name, hello.abort_address)
+        peer.hello_done = True
+        self._maybe_ready(peer)
+
+    def _maybe_ready(self, peer: Peer) -> None:
+        if peer.status is PeerStatus.CONNECTING and peer.hello_done and peer.connected:
+            peer.status = PeerStatus.READY
+            peer.reason = ""
+            peer.notify()
+            self._on_ready(peer)
+
+    # -- waiting for a peer ------------------------------------------------------------
+
+    async def wait_ready(self, name: str, timeout: float, *, unknown_ok: bool = False) -> Peer:
+        """The peer ``name`` once READY.
+
+        Raises:
+            HandshakeError: it is unknown (unless ``unknown_ok``), or not ready in time.
+            PeerRefusedError: it refused this endpoint (NameClashError, PeerNameMismatchError).
+            PeerLostError: it was lost (or closed) and did not come back in time.
+        """
+        deadline = time.monotonic() + timeout
+        while True:
+            self.core.check_open()
+            peer = self._peers.get(name)
+            if peer is not None:
+                if peer.status is PeerStatus.READY:
+                    return peer
+                if peer.refusal is not None:
+                    raise peer.refusal
+                if peer.status in (PeerStatus.LOST, PeerStatus.CLOSED) and not peer.configured:
+                    raise self.gone_error(peer)
+            elif not unknown_ok:
+                raise HandshakeError(
+                    f"{self.core.name!r} has no peer {name!r}: pass it in peers= or "
+                    "add_peer(), or wait for it to connect (wait_peer)"
+                )
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise self._not_ready_error(name, peer, timeout)
+            event = peer.changed if peer is not None else self._changed
+            with anyio.move_on_after(left):
+                await event.wait()
+
+    def gone_error(self, peer: Peer) -> PeerLostError:
+        if peer.status is PeerStatus.CLOSED:
+            return PeerClosedError(f"peer {peer.name!r} closed: {peer.reason}")
+        return PeerLostError(f"peer {peer.name!r} was lost: {peer.reason}")
+
+    def _not_ready_error(self, name: str, peer: Peer | None, timeout: float) -> OmniwireError:
+        if peer is None:
+            return HandshakeError(f"no endpoint named {name!r} said Hello within {timeout:g} s")
+        if peer.status in (PeerStatus.LOST, PeerStatus.CLOSED):
+            error = self.gone_error(peer)
+            return type(error)(f"{error} and did not come back within {timeout:g} s")
+        if peer.auth_failure:
+            detail = peer.auth_failure
+        elif not peer.connected:
+            detail = "no connection to its address"
+        elif peer.hello is None:
+            detail = "connected, but no HelloMessage received"
+        else:
+            detail = "its backends are still connecting"
+        return HandshakeError(
+            f"peer {name!r} at {peer.address or '?'} did not complete the handshake with "
+            f"{self.core.name!r} within {timeout:g} s ({detail})"
+        )
+
+    # -- loss and close ------------------------------------------------------------------
+
+    def lose(self, peer: Peer, reason: str, cls: type[PeerLostError] = PeerLostError) -> None:
+        """Declare ``peer`` lost: release everything in flight with it."""
+        if peer.status in (PeerStatus.LOST, PeerStatus.CLOSED):
+            return
+        out, inn = peer.session.reset()
+        self._end(peer, out, inn, PeerStatus.LOST, reason, cls)
+
+    def _lost_if_dead(self, peer: Peer) -> bool:
+        hello = peer.hello
+        if hello is None or hello.host_id != self.core.host_id or hostinfo.pid_alive(hello.pid):
+            return False
+        self.lose(peer, f"its process (pid {hello.pid}) died")
+        return True
+
+    def _end(
+        self,
+        peer: Peer,
+        out: list[OutRecord],
+        inn: list[InRecord],
+        status: PeerStatus,
+        reason: str,
+        cls: type[PeerLostError],
+    ) -> None:
+        core = self.core
+        was_ready = peer.status is PeerStatus.READY
+        peer.status = status
+        peer.reason = reason
+        cause = "peer_closed" if status is PeerStatus.CLOSED else "peer_lost"
+        if status is PeerStatus.CLOSED:
+            core.counters["peers_closed"] += 1
+            log.info("%s: peer %s %s", core.name, peer.name, reason)
+        elif was_ready or out or inn:
+            core.counters["peers_lost"] += 1
+            core.noisy.warning("lost", "%s: peer %s lost: %s", core.name, peer.name, reason)
+        error = cls(
+            f"peer {peer.name!r} {'closed' if status is PeerStatus.CLOSED else 'was lost'}: {reason}"
+        )
+        self._on_gone(peer, out, inn, cause, error)
+        for name, pinfo in peer.info.items():
+            backend = core.backends.get(name)
+            if backend is not None:
+                core.supervisor.spawn(backend.disconnect, pinfo)
+        peer.info = {}
+        peer.edge = None
+        peer.route_cache = {}
+        peer.chunk_ids.clear()
+        peer.hello_done = False
+        peer.down_since = None
+        peer.generation += 1
+        core.outbox.drop(peer.name, error)
+        self._disconnect(peer)
+        peer.notify()
+        if peer.configured and core.state.value == "open":
+            with contextlib.suppress(AddressError):  # checked when it was configured
+                self._connect(peer)  # its next instance will find us
+
+    def _forget(self, peer: Peer, reason: str) -> None:
+        """Drop a peer learned from a Hello that never became reachable."""
+        self.core.counters["peers_dropped"] += 1
+        self.core.noisy.warning("drop", "%s: forgetting %s: %s", self.core.name, peer.name, reason)
+        out, inn = peer.session.reset()
+        self._end(peer, out, inn, PeerStatus.LOST, reason, PeerLostError)
+        self._peers.pop(peer.name, None)
+
+    def _prune(self) -> None:
+        gone = [
+            p
+            for p in self._peers.values()
+            if p.status in (PeerStatus.LOST, PeerStatus.CLOSED) and not p.configured
+        ]
+        for peer in gone[: max(0, len(gone) - _TOMBSTONES)]:
+            del self._peers[peer.name]
+
+    def tick(self, now: float) -> None:
+        """Liveness: a few times a second."""
+        cfg = self.core.config
+        self._prune()
+        for peer in self.all():
+            if peer.status in (PeerStatus.LOST, PeerStatus.CLOSED):
+                continue
+            if peer.hello is not None and self._lost_if_dead(peer):
+                continue
+            if peer.down_since is not None and now - peer.down_since > cfg.peer_timeout:
+                self.lose(peer, f"disconnected for more than {cfg.peer_timeout:g} s")
+            elif self.core.outbox.waiting_for(peer.name, now) > cfg.peer_timeout:
+                detail = ""
+                if peer.hello is not None and peer.hello.host_id == self.core.host_id:
+                    state = hostinfo.process_state(peer.hello.pid)
+                    detail = f"; its process (pid {peer.hello.pid}) is {state}"
+                self.lose(
+                    peer,
+                    f"it took no frame for more than {cfg.peer_timeout:g} s{detail}",
+                    PeerUnresponsiveError,
+                )
+            elif (
+                not peer.configured
+                and peer.status is PeerStatus.CONNECTING
+                and now - peer.accepted_at > cfg.handshake_timeout
+            ):
+                self._forget(
+                    peer, f"no connection to {peer.address} within {cfg.handshake_timeout:g} s"
+                )
+
+    def goodbye(self, reason: str) -> None:
+        """Say Goodbye to every peer whose Hello we accepted and that can read it."""
+        msg = wire.GoodbyeMessage(
+            from_stage=self.core.name, instance=self.core.instance, reason=reason
+        )
+        for peer in self.all():
+            live = peer.status not in (PeerStatus.LOST, PeerStatus.CLOSED)
+            if (
+                live
+                and peer.hello is not None
+                and peer.push_open
+                and peer.session.version >= (1, 1)
+            ):
+                self.core.outbox.post(peer, msg)
+
+    def close(self) -> None:
+        """Wake every waiter (the endpoint is closing; the control plane closes the
+        sockets, giving queued frames — the Goodbyes — their linger to leave)."""
+        for peer in self.all():
+            peer.notify()
+
+    def connected_backend(self, peer: Peer, name: str) -> PeerInfo:
+        info = peer.info.get(name)
+        if info is None:
+            raise BackendError(f"backend {name!r} is not connected to peer {peer.name!r}")
+        return info

@@ -1,0 +1,494 @@
+"""The receiving side: one take path per object, one release path (spec §4.2, §7).
+
+A DataReady becomes an :class:`~._records.InRecord` in its peer's inbox (data-less
+messages — inline chunks, stream ends, errors — queue as they are, so order
+holds). Items are taken in order by :meth:`Receiver.take`: import the reference,
+fetch the bytes (waiting for progress of a progressive object), rebuild the
+payload, hand a :class:`~omniwire.delivery.Delivery` to the application, ACK. The
+receive loop takes an item itself when nothing of it can wait (a small object
+in mapped memory); otherwise a worker task drains the peer's inbox.
+:meth:`Receiver.finish` is the one way an inbound object ends: import closed,
+session entry removed, ACK or NACK (with its reason) posted once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from typing import Any
+
+import anyio
+import torch
+
+from .. import codec, packing, wire
+from ..backends.base import THREAD_COPY_THRESHOLD, BackendBase, ObjectBackend
+from ..delivery import Delivery, DeliveryKind
+from ..errors import (
+    BackendError,
+    OmniwireError,
+    PeerLostError,
+    WireFormatError,
+)
+from ..recvpool import RecvPool
+from ._core import Core
+from ._deliveries import Deliveries
+from ._peers import PeerTable
+from ._records import InRecord, Peer, PeerStatus
+
+__all__ = ["Receiver"]
+
+log = logging.getLogger("omniwire.endpoint")
+
+_OPEN_STREAMS = 65536  # open streams remembered per peer
+
+
+class Receiver:
+    def __init__(self, core: Core, peers: PeerTable) -> None:
+        self.core = core
+        self.peers = peers
+        cfg = core.config
+        self.deliveries = Deliveries(core)
+        self.budget = self.deliveries.budget
+        self.pool = RecvPool()
+        self._inbox_limit = 4 * cfg.max_inflight + cfg.receive_buffer
+
+    # -- frames in ---------------------------------------------------------------------
+
+    def on_data_ready(self, peer: Peer, msg: wire.DataReadyMessage) -> bool:
+        """Queue a DataReady; True if its peer's inbox can be taken from right now."""
+        core = self.core
+        ref = msg.data_ref
+        record = None
+        if ref is not None:
+            ready = ref.ref.length if ref.ready is None else ref.ready
+            record = InRecord(
+                ref.object_id,
+                msg.request_id,
+                ref.ref.length,
+                ready,
+                msg=msg,
+                ref=ref,
+                generation=peer.generation,
+            )
+        peer.session.on_data_ready(msg, record)  # RemoteProtocolError: nothing changed
+        if core.aborts.is_aborted(msg.request_id):
+            if record is not None:
+                self.refuse(peer, record, "aborted", "request aborted")
+            return False
+        if record is not None and len(peer.inbox) >= self._inbox_limit:
+            core.counters["inbox_full"] += 1
+            self.refuse(peer, record, "queue_full", "receiver queue full")
+            return False
+        peer.inbox.append(record if record is not None else msg)
+        return self._startable(peer)
+
+    def on_progress(self, peer: Peer, msg: wire.DataProgressMessage) -> None:
+        record = peer.session.on_progress(msg)
+        record.progressed.set()
+
+    def on_ready(self, peer: Peer) -> None:
+        """The peer became READY: what it sent before can be taken now."""
+        if peer.inbox:
+            self._start_worker(peer)
+
+    def _startable(self, peer: Peer) -> bool:
+        """Whether the receive loop may take the head of ``peer``'s inbox itself."""
+        if peer.busy or peer.worker or len(peer.inbox) != 1 or peer.status is not PeerStatus.READY:
+            if peer.status is PeerStatus.READY and not peer.busy:
+                self._start_worker(peer)
+            return False
+        head = peer.inbox[0]
+        if isinstance(head, wire.DataReadyMessage):
+            return True  # inline chunk, stream end, error: nothing to wait for
+        backend = self.core.backends.get(head.ref.backend)
+        caps = type(backend).capabilities if backend is not None else None
+        fits = (
+            caps is not None
+            and (isinstance(backend, ObjectBackend) or caps.mapped)
+            and head.ready == head.length
+            and head.ref.layout != "per_tensor"
+            and head.length < THREAD_COPY_THRESHOLD
+            and self.budget.would_admit(0 if self.core.config.zero_copy else head.length)
+        )
+        if not fits:
+            self._start_worker(peer)
+        return fits
+
+    def _start_worker(self, peer: Peer) -> None:
+        if not peer.worker and not peer.busy:
+            peer.worker = True
+            self.core.supervisor.spawn(self._drain, peer, peer.generation)
+
+    async def take_head(self, peer: Peer) -> None:
+        """Take the head of ``peer``'s inbox in the calling task (the receive loop)."""
+        if peer.busy or peer.worker or not peer.inbox:
+            return
+        await self._take_next(peer)
+
+    async def _drain(self, peer: Peer, generation: int) -> None:
+        try:
+            while peer.inbox and peer.generation == generation and peer.status is PeerStatus.READY:
+                await self._take_next(peer)
+        finally:
+            peer.worker = False
+
+    async def _take_next(self, peer: Peer) -> None:
+        item = peer.inbox.popleft()
+        peer.busy = True
+        try:
+            await self.take(peer, item)
+        except Exception as exc:  # a bug must not stop the peer's inbox
+            self.core.counters["internal_errors"] += 1
+            log.exception("%s: failed to take data from %s", self.core.name, peer.name)
+            if isinstance(item, InRecord):
+                self.finish(peer, item, "internal", f"receiver error: {type(exc).__name__}")
+        finally:
+            peer.busy = False
+
+    # -- the take path -----------------------------------------------------------------
+
+    async def take(self, peer: Peer, item: InRecord | wire.DataReadyMessage) -> None:
+        msg = item if isinstance(item, wire.DataReadyMessage) else item.msg
+        rid = msg.request_id
+        if isinstance(item, InRecord) and item.refusal is not None:
+            await self._consume(peer, item)
+            self.finish(peer, item, *item.refusal)
+            return
+        if self.core.aborts.is_aborted(rid):
+            if isinstance(item, InRecord):
+                self.finish(peer, item, "aborted", "request aborted")
+            return
+        metadata = None
+        if msg.metadata:
+            try:
+                metadata = codec.loads(msg.metadata, [])
+            except WireFormatError as exc:
+                if isinstance(item, InRecord):
+                    self.finish(peer, item, "malformed", f"bad metadata: {exc}")
+                self._deliver(Delivery("error", rid, peer.name, msg.chunk_id, error=str(exc)))
+                return
+        if msg.error is not None:
+            peer.open_streams.pop(rid, None)
+            self._deliver(
+                Delivery(
+                    "error",
+                    rid,
+                    peer.name,
+                    msg.chunk_id,
+                    metadata=metadata,
+                    error=msg.error,
+                    traceparent=msg.traceparent,
+                )
+            )
+        elif msg.inline is not None:
+            self._take_inline(peer, msg, msg.inline, metadata)
+        elif isinstance(item, InRecord):
+            await self._take_object(peer, item, metadata)
+        if msg.is_done:
+            peer.open_streams.pop(rid, None)
+            self._deliver(
+                Delivery(
+                    "stream_end",
+                    rid,
+                    peer.name,
+                    msg.chunk_id,
+                    metadata=metadata,
+                    traceparent=msg.traceparent,
+                )
+            )
+
+    def _take_inline(
+        self,
+        peer: Peer,
+        msg: wire.DataReadyMessage,
+        inline: wire.InlineStreamChunkRef,
+        metadata: Any,
+    ) -> None:
+        try:
+            tensors = packing.unpack(bytearray(inline.data), inline.tensors, copy=False)
+            value = codec.loads(inline.header, tensors, allow_pickle=self.core.config.allow_pickle)
+        except WireFormatError as exc:
+            self.core.counters["decode_errors"] += 1
+            self._deliver(
+                Delivery("error", msg.request_id, peer.name, msg.chunk_id, error=str(exc))
+            )
+            return
+        kind: DeliveryKind = "payload" if inline.kind == "payload" else "stream_chunk"
+        self._note_stream(peer, msg.request_id, kind)
+        self._deliver(
+            Delivery(
+                kind,
+                msg.request_id,
+                peer.name,
+                msg.chunk_id,
+                value,
+                metadata,
+                backend="inline",
+                nbytes=sum(t.nbytes for t in inline.tensors),
+                traceparent=msg.traceparent,
+            )
+        )
+
+    async def _take_object(self, peer: Peer, record: InRecord, metadata: Any) -> None:
+        msg, ref = record.msg, record.ref
+        backend = self.core.backends.get(ref.backend)
+        info = peer.info.get(ref.backend)
+        if backend is None or info is None:
+            why = f"backend {ref.backend!r} is not running on {self.core.name!r} for {peer.name!r}"
+            self.finish(peer, record, "unsupported", why)
+            self._deliver(Delivery("error", msg.request_id, peer.name, msg.chunk_id, error=why))
+            return
+        zero_copy = self.core.config.zero_copy
+        budget = 0 if zero_copy else ref.ref.length
+        value: Any = None
+        failure: tuple[wire.NackReason, str] | None = None
+        with anyio.CancelScope() as scope:
+            peer.current_take = (msg.request_id, scope)
+            try:
+                await self.budget.acquire(budget)
+                try:
+                    value = await self._fetch(peer, backend, info, record)
+                except BaseException:
+                    self.budget.release(budget)
+                    raise
+            except WireFormatError as exc:
+                failure = ("malformed", str(exc))
+            except (OmniwireError, TypeError, ValueError, RuntimeError, OSError) as exc:
+                failure = ("backend_error", f"{type(exc).__name__}: {exc}")
+            finally:
+                peer.current_take = None
+        if scope.cancelled_caught:  # aborted, the peer is gone, or we are closing
+            reason: wire.NackReason = "aborted"
+            if not self.core.aborts.is_aborted(msg.request_id):
+                reason = "receiver_closed"
+            self.finish(peer, record, reason, reason.replace("_", " "))
+            return
+        if failure is not None:
+            self.core.counters["receive_errors"] += 1
+            self.core.noisy.warning(
+                "take",
+                "%s: cannot take object %d from %s: %s",
+                self.core.name,
+                ref.object_id,
+                peer.name,
+                failure[1],
+            )
+            self.finish(peer, record, *failure)
+            self._deliver(
+                Delivery(
+                    "error",
+                    msg.request_id,
+                    peer.name,
+                    msg.chunk_id,
+                    metadata=metadata,
+                    error=failure[1],
+                    backend=ref.backend,
+                )
+            )
+            return
+        kind: DeliveryKind = "payload" if ref.kind == "payload" else "stream_chunk"
+        self._note_stream(peer, msg.request_id, kind)
+        delivery = Delivery(
+            kind,
+            msg.request_id,
+            peer.name,
+            msg.chunk_id,
+            payload=value,
+            metadata=metadata,
+            backend=ref.backend,
+            nbytes=ref.ref.length,
+            traceparent=msg.traceparent,
+            _budget=budget,
+        )
+        if zero_copy and not isinstance(backend, ObjectBackend):
+            record.lent = True
+            delivery._on_release = lambda: self._released(peer, record)
+            self._deliver(delivery)
+        else:
+            self._deliver(delivery)
+            self.finish(peer, record)
+
+    async def _fetch(self, peer: Peer, backend: BackendBase, info: Any, record: InRecord) -> Any:
+        """Import and read the object; returns the payload (views in zero-copy mode)."""
+        ref = record.ref
+        length = ref.ref.length
+        record.imp = imp = await backend.import_(info, ref.ref.info, length)
+        if isinstance(backend, ObjectBackend):
+            return imp.value
+        if ref.layout == "per_tensor":
+            await imp.fetch(0, length)
+            tensors = list(imp.tensors or [])
+            if not self.core.config.zero_copy:
+                tensors = [t.clone() for t in tensors]
+        else:
+            dest = None if self.core.config.zero_copy else self._receive_buffer(imp.buffer, length)
+            done = 0
+            while done < length:
+                ready = await self._wait_ready(peer, record, done)
+                await imp.fetch(done, ready, dest)
+                done = ready
+            source = dest if dest is not None else imp.buffer
+            if source is None:
+                if length:
+                    raise BackendError(
+                        f"backend {ref.backend} imported no buffer for object {ref.object_id}"
+                    )
+                source = torch.empty(0, dtype=torch.uint8)  # a payload with no tensor bytes
+            tensors = packing.unpack(source, ref.tensors, copy=False)
+        return codec.loads(ref.header, tensors, allow_pickle=self.core.config.allow_pickle)
+
+    async def _wait_ready(self, peer: Peer, record: InRecord, done: int) -> int:
+        """Wait until the sender announced bytes past ``done``; return the new ``ready``."""
+        timeout = self.core.config.ack_timeout
+        while record.ready <= done:
+            record.progressed = anyio.Event()
+            with anyio.move_on_after(timeout):
+                await record.progressed.wait()
+            if record.ready <= done and not record.progressed.is_set():
+                raise BackendError(
+                    f"{peer.name!r} made no progress on object {record.object_id} for {timeout:g} s"
+                )
+        return record.ready
+
+    def _receive_buffer(self, source: torch.Tensor | None, length: int) -> torch.Tensor:
+        """Where a copy-mode delivery lands: the receiving GPU when the backend
+        delivers to one, else a warm host buffer from the pool."""
+        if source is not None and source.device.type != "cpu":
+            return torch.empty(length, dtype=torch.uint8, device=source.device)
+        return self.pool.take(length)
+
+    async def _consume(self, peer: Peer, record: InRecord) -> None:
+        """A refused object of a two-sided engine must still be imported, in order."""
+        backend = self.core.backends.get(record.ref.backend)
+        info = peer.info.get(record.ref.backend)
+        if backend is None or info is None or not type(backend).capabilities.two_sided:
+            return
+        with contextlib.suppress(OmniwireError):
+            record.imp = await backend.import_(info, record.ref.ref.info, record.ref.ref.length)
+
+    # -- the release path --------------------------------------------------------------
+
+    def refuse(self, peer: Peer, record: InRecord, reason: wire.NackReason, text: str) -> None:
+        """Refuse an announced object. A two-sided engine's object still goes through
+        the take path (in order); any other is NACKed now."""
+        backend = self.core.backends.get(record.ref.backend)
+        if backend is not None and type(backend).capabilities.two_sided and not record.finished:
+            record.refusal = (reason, text)
+            if record not in peer.inbox:
+                peer.inbox.append(record)
+            if peer.status is PeerStatus.READY:
+                self._start_worker(peer)
+            return
+        if record in peer.inbox:
+            peer.inbox.remove(record)
+        self.finish(peer, record, reason, text)
+
+    def finish(
+        self, peer: Peer, record: InRecord, reason: wire.NackReason | None = None, text: str = ""
+    ) -> None:
+        """End an inbound object: close its import, forget it, ACK or NACK it. Once."""
+        if record.finished:
+            return
+        record.finished = True
+        if peer.session.inbound.get(record.object_id) is record:
+            del peer.session.inbound[record.object_id]
+        if record.imp is not None:
+            record.imp.close()
+        if record.orphaned or peer.generation != record.generation:
+            return  # the peer is gone: nobody to acknowledge to
+        core = self.core
+        msg = wire.DataAckMessage(
+            object_id=record.object_id,
+            from_stage=core.name,
+            to_stage=peer.name,
+            success=reason is None,
+            error=text[: wire.MAX_TEXT_BYTES // 4] if reason is not None else None,
+            reason=reason,
+        )
+        core.counters["acks_sent" if reason is None else "nacks_sent"] += 1
+        core.outbox.post(peer, msg)
+
+    def _released(self, peer: Peer, record: InRecord) -> None:
+        """A zero-copy delivery was released (from any thread)."""
+        if threading.get_ident() != self.core.loop_thread:
+            loop = self.core.loop
+            if loop is not None and not loop.is_closed():
+                loop.call_soon_threadsafe(self._released, peer, record)
+            return
+        aborted = self.core.aborts.is_aborted(record.request_id)
+        self.finish(
+            peer, record, "aborted" if aborted else None, "request aborted" if aborted else ""
+        )
+
+    # -- deliveries ----------------------------------------------------------------------
+
+    def _note_stream(self, peer: Peer, request_id: str, kind: DeliveryKind) -> None:
+        if kind == "stream_chunk":
+            streams = peer.open_streams
+            streams[request_id] = None
+            if len(streams) > _OPEN_STREAMS:
+                streams.popitem(last=False)
+
+    def _deliver(self, delivery: Delivery) -> None:
+        observer = self.core.observer
+        if observer is not None:
+            observer.delivered(self.core.name, delivery)
+        self.deliveries.put(delivery)
+
+    # -- aborts, loss, close -------------------------------------------------------------
+
+    def on_abort(self, request_id: str, origin: str, reason: str, *, notify: bool) -> None:
+        for peer in self.peers.all():
+            for item in [i for i in peer.inbox if _rid(i) == request_id]:
+                if isinstance(item, InRecord):
+                    self.refuse(peer, item, "aborted", "request aborted")
+                else:
+                    peer.inbox.remove(item)
+            if peer.current_take is not None and peer.current_take[0] == request_id:
+                peer.current_take[1].cancel()
+            peer.open_streams.pop(request_id, None)
+        self.deliveries.drop(request_id)  # a zero-copy one NACKs "aborted" (the id is remembered)
+        if notify:
+            self._deliver(Delivery("aborted", request_id, origin, error=reason or None))
+
+    def on_peer_gone(
+        self, peer: Peer, records: list[InRecord], cause: str, error: PeerLostError
+    ) -> None:
+        """The peer died or closed: drop what it sent, and tell the application which of
+        its requests were cut short."""
+        cut: dict[str, None] = dict.fromkeys(peer.open_streams)
+        for item in peer.inbox:
+            cut.setdefault(_rid(item), None)
+        for record in records:
+            record.orphaned = True
+            if not record.lent:
+                cut.setdefault(record.request_id, None)
+                self.finish(peer, record)
+        peer.inbox.clear()
+        peer.open_streams.clear()
+        if peer.current_take is not None:
+            peer.current_take[1].cancel()
+        for rid in cut:
+            if not self.core.aborts.is_aborted(rid):
+                self._deliver(Delivery("error", rid, peer.name, error=str(error), cause=cause))
+
+    def close(self) -> None:
+        for peer in self.peers.all():
+            for record in list(peer.session.inbound.values()):
+                if not record.lent:
+                    if record in peer.inbox:
+                        peer.inbox.remove(record)
+                    self.finish(peer, record, "receiver_closed", "receiver closed")
+            peer.inbox.clear()
+            if peer.current_take is not None:
+                peer.current_take[1].cancel()
+        self.deliveries.close()
+        self.pool.clear()
+
+    def in_flight(self) -> dict[str, int]:
+        return {p.name: len(p.session.inbound) for p in self.peers.all()}
+
+
+def _rid(item: InRecord | wire.DataReadyMessage) -> str:
+    return item.request_id

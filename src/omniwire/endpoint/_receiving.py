@@ -1,0 +1,103 @@
+"""The receiving half of :class:`~omniwire.Endpoint`'s API (a base class of it).
+
+``receive``, ``deliveries``, ``requests`` and ``async for`` all read the one
+delivery queue, :class:`~._deliveries.Deliveries` (its docstring tells how
+scoped and unscoped consumers share it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from ..delivery import Delivery
+from ..errors import EndpointClosedError, EndpointNotStartedError
+from ._core import Core
+from ._deliveries import DeliveryStream
+from ._receiver import Receiver
+
+__all__ = ["Receiving"]
+
+
+class Receiving:
+    """What an endpoint's application reads: deliveries, by request or not."""
+
+    _core: Core
+    _receiver: Receiver
+
+    async def receive(
+        self,
+        timeout: float | None = None,
+        *,
+        request_id: str | None = None,
+        from_stage: str | None = None,
+    ) -> Delivery:
+        """The next delivery: payloads, stream chunks, stream ends, errors (kind
+        ``error``; ``cause`` says ``peer_lost``/``peer_closed`` when a peer went away
+        mid-request), aborts.
+
+        With ``request_id``: the next delivery of that request (waiting for it, and
+        holding the request meanwhile — see :meth:`deliveries`); without: the
+        oldest delivery of a request nobody holds. ``from_stage`` keeps only what
+        that stage sent (an ``aborted`` delivery of the request always matches).
+
+        Raises:
+            TimeoutError: nothing arrived within ``timeout`` seconds.
+            EndpointNotStartedError, EndpointClosedError.
+        """
+        return await self._receiver.deliveries.receive(timeout, request_id, from_stage)
+
+    def deliveries(
+        self, *, request_id: str | None = None, from_stage: str | None = None
+    ) -> DeliveryStream:
+        """A stream of deliveries: ``async for d in ep.deliveries(request_id=r): ...``.
+
+        With ``request_id`` the stream holds that request from now on: its
+        deliveries (from ``from_stage``, if given) go to this stream, in arrival
+        order, and to no unscoped consumer; it ends after the request's
+        ``stream_end``, ``error`` or ``aborted`` delivery, when closed, or when the
+        endpoint closes. Any number of streams may be read at once, each in its
+        own task: nothing is lost or reordered, and what arrives for a request
+        before its stream exists waits for it. Without ``request_id`` it yields
+        every delivery of a request nobody holds, until the endpoint closes.
+
+        What arrives for a request nobody holds and nobody takes keeps its share of
+        the receive budget; when the budget is full while other consumers wait,
+        such a delivery is dropped after ``unclaimed_timeout`` seconds and its
+        request gets an ``error`` delivery with ``cause="unclaimed"`` instead.
+
+        Raises:
+            EndpointNotStartedError, EndpointClosedError.
+        """
+        self._core.check_open()
+        return self._receiver.deliveries.stream(request_id, from_stage)
+
+    async def requests(self, *, from_stage: str | None = None) -> AsyncIterator[DeliveryStream]:
+        """One held :class:`DeliveryStream` per request, as its first delivery arrives::
+
+            async for request in ep.requests():
+                tg.start_soon(serve, request)   # async with request: async for d in request
+
+        Each request nobody holds yet is yielded once (``from_stage``: only what
+        that stage sends); the stream starts at the request's first delivery.
+        Ends when the endpoint closes.
+
+        Raises:
+            EndpointNotStartedError: the endpoint was not started.
+        """
+        queue = self._receiver.deliveries
+        while True:
+            try:
+                stream = await queue.next_request(from_stage)
+            except EndpointNotStartedError:
+                raise
+            except EndpointClosedError:
+                return
+            yield stream
+
+    def __aiter__(self) -> AsyncIterator[Delivery]:
+        """Every delivery of a request nobody holds, until the endpoint closes."""
+        return self._receiver.deliveries.stream(None, None)
+
+    def queued(self) -> int:
+        """Deliveries that arrived and wait for :meth:`receive`."""
+        return len(self._receiver.deliveries)

@@ -1,0 +1,209 @@
+"""The records of an endpoint: one per peer, one per object in flight per side.
+
+An :class:`OutRecord` (sender) and an :class:`InRecord` (receiver) are the
+protocol session's own entries (they subclass the sans-I/O
+:class:`~omniwire.wire.OutboundObject` / :class:`~omniwire.wire.InboundObject`),
+so the protocol state and the handles that hold memory live in one typed
+object. Each has one release path, idempotent, whatever ended the object:
+ACK, NACK, abort, peer loss, timeout, close, cancellation.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+
+import anyio
+import torch
+
+from .. import wire
+from ..backends.base import Export, Import, Layout, PeerInfo
+from ..delivery import SendReceipt
+from ..errors import PeerRefusedError
+from ..flow import Credits
+from ..routing import Candidate, Edge, PayloadInfo, Route
+from ._stats import RouteStats
+
+__all__ = ["ExportShare", "InRecord", "OutRecord", "Peer", "PeerStatus", "SharedExport"]
+
+
+class PeerStatus(enum.Enum):
+    CONNECTING = "connecting"  # no accepted Hello yet (or not reachable yet)
+    READY = "ready"  # Hello accepted, backends connected, our PUSH is up
+    LOST = "lost"  # died, hung, or disconnected too long
+    CLOSED = "closed"  # said Goodbye
+
+
+@dataclass(eq=False, kw_only=True)
+class OutRecord(wire.OutboundObject):
+    """One object this endpoint announced (or is about to announce) to a peer.
+
+    Owns a credit of ``length`` bytes while ``credits`` is set and the export
+    while ``export`` is set; :meth:`release` gives both back and settles the
+    receipt, exactly once.
+    """
+
+    peer: Peer
+    generation: int
+    receipt: SendReceipt
+    stats: RouteStats
+    credits: Credits | None = None
+    export: Export | ExportShare | None = None
+    deadline: float = float("inf")
+    released: bool = False
+
+    def fail(self, error: BaseException) -> None:
+        """Settle the receipt with ``error`` but keep the buffer: the peer may still
+        read it until its ACK (ACK timeout, abort)."""
+        self.receipt.resolve(error)
+
+    def release(self, error: BaseException | None) -> None:
+        """The object is over: free the export, return the credit, settle the receipt."""
+        if self.released:
+            return
+        self.released = True
+        session = self.peer.session
+        if session.outbound.get(self.object_id) is self:
+            del session.outbound[self.object_id]
+        if self.export is not None:
+            export, self.export = self.export, None
+            export.release()
+        if self.credits is not None:
+            credits, self.credits = self.credits, None
+            credits.release(self.length)
+        if error is None and not self.receipt.done():
+            self.receipt.resolve()
+            if self.receipt.latency is not None:
+                self.stats.latencies.append(self.receipt.latency)
+        else:
+            self.receipt.resolve(error)
+
+
+class SharedExport:
+    """One export that several objects of a fan-out announce (a backend with
+    ``Capabilities.shared_refs``): each object holds an :class:`ExportShare`, and
+    the export is released when the last share is, and the fan-out let go.
+
+    The fan-out holds a share of its own while it announces, so an early ACK
+    cannot free the buffer before every target was told of it.
+    """
+
+    __slots__ = ("export", "published", "users")
+
+    def __init__(self, export: Export) -> None:
+        self.export = export
+        self.users = 1  # the fan-out's own hold
+        self.published = 0
+
+    def share(self) -> ExportShare:
+        self.users += 1
+        return ExportShare(self)
+
+    def drop(self) -> None:
+        self.users -= 1
+        if self.users == 0:
+            self.export.release()
+
+
+class ExportShare:
+    """One object's hold on a :class:`SharedExport` (what ``OutRecord.export`` holds)."""
+
+    __slots__ = ("_released", "shared")
+
+    def __init__(self, shared: SharedExport) -> None:
+        self.shared = shared
+        self._released = False
+
+    @property
+    def layout(self) -> Layout:
+        return self.shared.export.layout
+
+    @property
+    def ref(self) -> bytes:
+        return self.shared.export.ref
+
+    @property
+    def buffer(self) -> torch.Tensor | None:
+        return None if self._released else self.shared.export.buffer
+
+    async def publish(self, lo: int, hi: int) -> None:
+        """Publish once for every share (the bytes are the same)."""
+        if hi > self.shared.published:
+            await self.shared.export.publish(self.shared.published, hi)
+            self.shared.published = hi
+
+    def release(self) -> None:
+        if not self._released:
+            self._released = True
+            self.shared.drop()
+
+
+@dataclass(eq=False, kw_only=True)
+class InRecord(wire.InboundObject):
+    """One object a peer announced to this endpoint, until it is ACKed or NACKed
+    (:meth:`~omniwire.endpoint._receiver.Receiver.finish` is its one release path)."""
+
+    msg: wire.DataReadyMessage
+    ref: wire.DataRef
+    generation: int
+    progressed: anyio.Event = field(default_factory=anyio.Event)
+    imp: Import | None = None
+    #: Refused while queued: (NACK reason, text); taken out in order all the same.
+    refusal: tuple[wire.NackReason, str] | None = None
+    #: Handed to the application as a zero-copy delivery (the ACK waits for release).
+    lent: bool = False
+    #: The peer is gone: no ACK will be sent for it.
+    orphaned: bool = False
+    finished: bool = False
+
+
+@dataclass(eq=False)
+class Peer:
+    """Everything this endpoint knows about one peer, for the life of its name."""
+
+    name: str
+    session: wire.Session[OutRecord, InRecord]
+    credits: Credits
+    #: The address given in ``peers=``/``add_peer`` (we keep connecting to it), if any.
+    configured: str | None = None
+    #: Where frames to it go (the configured address, else its Hello's).
+    address: str | None = None
+    status: PeerStatus = PeerStatus.CONNECTING
+    #: Set (and replaced) on every change a waiter may care about.
+    changed: anyio.Event = field(default_factory=anyio.Event)
+    #: Bumped at every new session, so records of an old one are told apart.
+    generation: int = 0
+    push_open: bool = False  # our PUSH socket (and its monitor) exist
+    connected: bool = False  # our PUSH completed a ZMTP handshake since it was opened
+    hello_done: bool = False  # the current Hello was accepted and backends connected
+    accepted_at: float = field(default_factory=time.monotonic)
+    down_since: float | None = None
+    reason: str = ""  # why it was lost or closed
+    refusal: PeerRefusedError | None = None
+    auth_failure: str = ""
+    # routing
+    info: dict[str, PeerInfo] = field(default_factory=dict)
+    edge: Edge | None = None
+    candidates: tuple[Candidate, ...] = ()
+    route_cache: dict[PayloadInfo, Route] = field(default_factory=dict)
+    # sending
+    chunk_ids: dict[str, int] = field(default_factory=dict)
+    send_lock: anyio.Lock = field(default_factory=anyio.Lock)
+    # receiving: announced objects and data-less messages, in arrival order
+    inbox: deque[InRecord | wire.DataReadyMessage] = field(default_factory=deque)
+    busy: bool = False  # an item of the inbox is being taken
+    worker: bool = False  # a task is draining the inbox
+    current_take: tuple[str, anyio.CancelScope] | None = None
+    #: Streams (request ids) with chunks delivered and no end yet.
+    open_streams: OrderedDict[str, None] = field(default_factory=OrderedDict)
+
+    @property
+    def hello(self) -> wire.HelloMessage | None:
+        return self.session.hello
+
+    def notify(self) -> None:
+        """Wake every task waiting on this peer's state."""
+        self.changed.set()
+        self.changed = anyio.Event()

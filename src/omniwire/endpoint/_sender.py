@@ -1,0 +1,526 @@
+"""The sending side: encode → route → credit → export/pack → announce (spec §4.2, §7).
+
+Each object gets one :class:`~._records.OutRecord` the moment it takes a credit.
+Until its DataReady is posted the send owns it (a failure releases it at once);
+after that only the peer's ACK/NACK, the peer's loss or the endpoint's close
+release it — the peer may be reading the buffer. An ACK timeout or an abort
+settles the receipt early but leaves the buffer reserved until then.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import sys
+import time
+from typing import Any, Literal
+
+import anyio
+import torch
+
+from .. import codec, packing, wire
+from ..backends.base import THREAD_COPY_THRESHOLD, BackendBase, ByteBackend, ObjectBackend
+from ..delivery import SendReceipt
+from ..errors import (
+    AckTimeoutError,
+    BackendError,
+    DrainTimeoutError,
+    EndpointClosedError,
+    OmniwireError,
+    PeerLostError,
+    RequestAbortedError,
+)
+from ..routing import INLINE, PayloadInfo, Route
+from ._core import Core
+from ._peers import PeerTable
+from ._records import OutRecord, Peer, PeerStatus, SharedExport
+from ._stats import RouteStats
+
+__all__ = ["Kind", "Sender", "payload_info"]
+
+log = logging.getLogger("omniwire.endpoint")
+route_log = logging.getLogger("omniwire.route")
+
+Kind = Literal["payload", "stream_chunk"]
+
+
+class Sender:
+    def __init__(self, core: Core, peers: PeerTable, trace: bool = False) -> None:
+        self.core = core
+        self.peers = peers
+        self.route_stats: dict[tuple[str, str, str], RouteStats] = {}
+        self._ids = itertools.count(1)
+        self._trace = trace
+        self._routes_seen: set[tuple[str, str, str]] = set()
+
+    # -- the API ---------------------------------------------------------------------
+
+    async def send(
+        self,
+        target: str,
+        payload: Any,
+        request_id: str,
+        kind: Kind,
+        metadata: Any,
+        lend: bool,
+        traceparent: str = "",
+    ) -> SendReceipt:
+        core = self.core
+        core.check_open()
+        if core.aborts.is_aborted(request_id):
+            raise RequestAbortedError(f"request {request_id!r} was aborted")
+        enc = codec.dumps(payload, allow_pickle=core.config.allow_pickle)
+        meta = self.metadata(metadata)
+        with core.aborts.guard(request_id, target):
+            peer = await self.peers.wait_ready(target, core.config.handshake_timeout)
+            layout = packing.plan(enc.tensors, enc.paths)
+            route = self.select(peer, payload_info(kind, enc.tensors, layout))
+            return await self.send_routed(
+                peer, route, enc, layout, payload, request_id, kind, meta, lend, traceparent
+            )
+
+    async def send_routed(
+        self,
+        peer: Peer,
+        route: Route,
+        enc: codec.Encoded,
+        layout: packing.PackPlan,
+        payload: Any,
+        request_id: str,
+        kind: Kind,
+        meta: bytes,
+        lend: bool,
+        traceparent: str,
+        shared: SharedExport | None = None,
+    ) -> SendReceipt:
+        """Send an encoded payload to a ready peer on its route (also one target of a
+        fan-out, which passes the ``shared`` export it packed once)."""
+        stats = self._stats(peer.name, kind, route)
+        self.core.aborts.note_sent(request_id, peer.name)
+        chunk_id = 0
+        if kind == "stream_chunk":
+            chunk_id = peer.chunk_ids.get(request_id, 0)
+            peer.chunk_ids[request_id] = chunk_id + 1
+        if route.backend == INLINE.name:
+            return await self._send_inline(
+                peer, enc, layout, request_id, kind, chunk_id, meta, stats, traceparent
+            )
+        return await self._send_object(
+            peer,
+            route,
+            enc,
+            layout,
+            payload,
+            request_id,
+            kind,
+            chunk_id,
+            meta,
+            stats,
+            lend,
+            traceparent,
+            shared,
+        )
+
+    async def end_stream(
+        self, target: str, request_id: str, error: str | None, metadata: Any, traceparent: str = ""
+    ) -> None:
+        core = self.core
+        core.check_open()
+        meta = self.metadata(metadata)
+        with core.aborts.guard(request_id, target):
+            peer = await self.peers.wait_ready(target, core.config.handshake_timeout)
+            core.aborts.note_sent(request_id, target)
+            msg = wire.DataReadyMessage(
+                request_id=request_id,
+                from_stage=core.name,
+                to_stage=target,
+                chunk_id=peer.chunk_ids.pop(request_id, 0),
+                is_done=True,
+                error=error,
+                metadata=meta,
+                traceparent=traceparent,
+            )
+            await core.outbox.send(peer, msg, core.config.ack_timeout)
+
+    def metadata(self, metadata: Any) -> bytes:
+        if metadata is None:
+            return b""
+        enc = codec.dumps(metadata, allow_pickle=self.core.config.allow_pickle)
+        if enc.tensors:
+            raise TypeError(f"metadata cannot hold tensors (found {enc.paths[0]})")
+        return enc.header
+
+    def route(self, target: str, payload: Any, kind: Kind) -> Route:
+        peer = self.peers.get(target)
+        if peer is None or peer.edge is None or peer.status is not PeerStatus.READY:
+            from ..errors import HandshakeError
+
+            raise HandshakeError(f"no completed handshake with {target!r}")
+        enc = codec.dumps(payload, allow_pickle=self.core.config.allow_pickle)
+        return self.select(peer, payload_info(kind, enc.tensors, packing.plan(enc.tensors)))
+
+    # -- routing -----------------------------------------------------------------------
+
+    def select(self, peer: Peer, info: PayloadInfo) -> Route:
+        """The policy's route for this edge and payload shape (cached per peer session:
+        policies are pure functions of their inputs)."""
+        assert peer.edge is not None
+        route = peer.route_cache.get(info)
+        if route is None:
+            route = self.core.config.policy.select(peer.edge, info, peer.candidates)
+            if len(peer.route_cache) >= 256:
+                peer.route_cache.clear()
+            peer.route_cache[info] = route
+            key = (peer.name, info.kind, route.backend)
+            level = logging.DEBUG
+            if key not in self._routes_seen:
+                self._routes_seen.add(key)
+                level = logging.INFO
+            if route_log.isEnabledFor(level):
+                route_log.log(
+                    level, "%s→%s %s: %s", self.core.name, peer.name, info.kind, route.explain()
+                )
+        if self._trace:
+            print(
+                f"[omniwire] route {self.core.name}→{peer.name} {info.kind}: {route.explain()}",
+                file=sys.stderr,
+            )
+        return route
+
+    def _stats(self, peer: str, kind: str, route: Route) -> RouteStats:
+        key = (peer, kind, route.backend)
+        stats = self.route_stats.get(key)
+        if stats is None:
+            stats = self.route_stats[key] = RouteStats(peer, kind, route.backend, route.reason)
+        stats.route = route
+        return stats
+
+    # -- inline ------------------------------------------------------------------------
+
+    async def _send_inline(
+        self,
+        peer: Peer,
+        enc: codec.Encoded,
+        layout: packing.PackPlan,
+        request_id: str,
+        kind: Kind,
+        chunk_id: int,
+        meta: bytes,
+        stats: RouteStats,
+        traceparent: str,
+    ) -> SendReceipt:
+        data = bytearray(layout.nbytes)
+        packing.pack_into(data, enc.tensors, layout)
+        msg = wire.DataReadyMessage(
+            request_id=request_id,
+            from_stage=self.core.name,
+            to_stage=peer.name,
+            chunk_id=chunk_id,
+            inline=wire.InlineStreamChunkRef(
+                header=enc.header, tensors=layout.metas, data=bytes(data), kind=kind
+            ),
+            metadata=meta,
+            traceparent=traceparent,
+        )
+        started = time.monotonic()
+        await self.core.outbox.send(peer, msg, self.core.config.ack_timeout)
+        stats.count += 1
+        stats.nbytes += layout.nbytes
+        stats.latencies.append(time.monotonic() - started)
+        return SendReceipt.completed(peer.name, request_id, INLINE.name, layout.nbytes)
+
+    # -- objects -----------------------------------------------------------------------
+
+    async def _send_object(
+        self,
+        peer: Peer,
+        route: Route,
+        enc: codec.Encoded,
+        layout: packing.PackPlan,
+        payload: Any,
+        request_id: str,
+        kind: Kind,
+        chunk_id: int,
+        meta: bytes,
+        stats: RouteStats,
+        lend: bool,
+        traceparent: str,
+        shared: SharedExport | None,
+    ) -> SendReceipt:
+        core = self.core
+        backend = core.backends[route.backend]
+        info = self.peers.connected_backend(peer, route.backend)
+        nbytes = layout.nbytes
+        record = OutRecord(
+            next(self._ids),
+            request_id,
+            nbytes,
+            nbytes,
+            peer=peer,
+            generation=peer.generation,
+            receipt=SendReceipt(peer.name, request_id, None, route.backend, nbytes),
+            stats=stats,
+        )
+        record.receipt.object_id = record.object_id
+        await self._credit(peer, record)
+        posted = False
+        try:
+            if shared is None:
+                points = await self._export(peer, backend, info, enc, layout, payload, record, lend)
+            else:  # a fan-out packed it once: this target reads the same buffer
+                record.export = shared.share()
+                points = [nbytes]
+            assert record.export is not None
+            ref = wire.DataRef(
+                object_id=record.object_id,
+                kind=kind,
+                backend=backend.name,
+                layout=record.export.layout,
+                ref=wire.BackendRef(backend=backend.name, info=record.export.ref, length=nbytes),
+                header=enc.header if record.export.layout != "object" else b"",
+                tensors=layout.metas if record.export.layout != "object" else (),
+                ready=points[0] if points[0] < nbytes else None,
+            )
+            msg = wire.DataReadyMessage(
+                request_id=request_id,
+                from_stage=core.name,
+                to_stage=peer.name,
+                chunk_id=chunk_id,
+                data_ref=ref,
+                metadata=meta,
+                traceparent=traceparent,
+            )
+            # publish and announce under the peer's lock: a two-sided engine pairs sends
+            # and receives in announce order.
+            async with _locked(peer.send_lock):
+                self._check_peer(peer, record)
+                record.ready = points[0]
+                peer.session.announce(record)
+                try:
+                    if record.export.layout == "packed":
+                        await record.export.publish(0, points[0])
+                    record.deadline = time.monotonic() + core.config.ack_timeout
+                    core.outbox.post(peer, msg)
+                    posted = True
+                finally:
+                    if not posted:
+                        peer.session.forget_outbound(record.object_id)
+        except BaseException as exc:
+            if not posted:
+                record.release(_as_error(exc, peer))
+            raise
+        stats.count += 1
+        stats.nbytes += nbytes
+        if len(points) > 1:
+            await self._progress(peer, record, enc, layout, points)
+        return record.receipt
+
+    async def _credit(self, peer: Peer, record: OutRecord) -> None:
+        credits = peer.credits
+        if not credits.try_acquire(record.length):
+            timeout = self.core.config.ack_timeout
+            started = time.monotonic()
+            with anyio.move_on_after(timeout) as wait:
+                await credits.acquire(record.length)
+            observer = self.core.observer
+            if observer is not None:
+                observer.credit_waited(self.core.name, peer.name, time.monotonic() - started)
+            if wait.cancelled_caught:
+                raise AckTimeoutError(
+                    f"no credit to send to {peer.name!r} within {timeout:g} s: {credits.count} "
+                    f"objects ({credits.bytes} bytes) are unacknowledged"
+                )
+        record.credits = credits
+
+    async def _export(
+        self,
+        peer: Peer,
+        backend: BackendBase,
+        info: Any,
+        enc: codec.Encoded,
+        layout: packing.PackPlan,
+        payload: Any,
+        record: OutRecord,
+        lend: bool,
+    ) -> list[int]:
+        """Make the object's bytes available; returns the progressive split points."""
+        nbytes = layout.nbytes
+        if isinstance(backend, ObjectBackend):
+            record.export = backend.export_object(info, payload)
+            return [nbytes]
+        assert isinstance(backend, ByteBackend)
+        export = await backend.export_tensors(info, enc.tensors, lent=lend)
+        if export is not None:
+            record.export = export
+            return [nbytes]
+        device = next((str(t.device) for t in enc.tensors if t.device.type != "cpu"), "cpu")
+        record.export = export = await backend.export(info, nbytes, device)
+        points = [nbytes]
+        hello = peer.hello
+        if (
+            type(backend).capabilities.progressive
+            and self.core.config.progressive_chunk > 0
+            and "zero_copy" not in (hello.features if hello else ())
+        ):  # a zero-copy receiver copies nothing: announcing in pieces buys nothing
+            points = packing.split_points(enc.tensors, layout, self.core.config.progressive_chunk)
+        assert export.buffer is not None
+        await _pack(export.buffer, enc.tensors, layout, 0, points[0])
+        return points
+
+    async def _progress(
+        self,
+        peer: Peer,
+        record: OutRecord,
+        enc: codec.Encoded,
+        layout: packing.PackPlan,
+        points: list[int],
+    ) -> None:
+        """Pack and announce the rest of a progressive object, piece by piece."""
+        for lo, hi in itertools.pairwise(points):
+            export = record.export
+            if record.released or export is None or export.buffer is None:
+                return  # released meanwhile (NACK, peer lost): the receiver drops it
+            await _pack(export.buffer, enc.tensors, layout, lo, hi)
+            await export.publish(lo, hi)
+            if record.released or peer.generation != record.generation:
+                return
+            peer.session.advance(record.object_id, hi)
+            self.core.outbox.post(
+                peer,
+                wire.DataProgressMessage(
+                    object_id=record.object_id,
+                    from_stage=self.core.name,
+                    to_stage=peer.name,
+                    ready=hi,
+                ),
+            )
+
+    def _check_peer(self, peer: Peer, record: OutRecord) -> None:
+        if peer.status is not PeerStatus.READY or peer.generation != record.generation:
+            raise self.peers.gone_error(peer)
+
+    # -- what comes back ---------------------------------------------------------------------
+
+    def on_ack(self, peer: Peer, msg: wire.DataAckMessage) -> None:
+        record = peer.session.on_ack(msg)  # RemoteProtocolError if not in flight to it
+        if msg.success:
+            record.release(None)
+            return
+        self.core.counters["nacks_received"] += 1
+        error: OmniwireError
+        if msg.reason == "aborted":
+            error = RequestAbortedError(
+                f"request {record.request_id!r} was aborted ({peer.name!r} refused object "
+                f"{record.object_id})"
+            )
+        else:
+            error = BackendError(
+                f"{peer.name!r} could not take object {record.object_id} of request "
+                f"{record.request_id!r} ({msg.reason or 'internal'}): {msg.error or ''}"
+            )
+            self.core.noisy.warning("nack", "%s: %s", self.core.name, error)
+        record.release(error)
+
+    def on_abort(self, request_id: str, error: RequestAbortedError) -> None:
+        """Fail the receipts of the request; the buffers wait for the peers' NACKs."""
+        for peer in self.peers.all():
+            for record in peer.session.outbound_of(request_id):
+                record.fail(error)
+
+    def on_peer_gone(self, peer: Peer, records: list[OutRecord], error: PeerLostError) -> None:
+        for record in records:
+            record.release(error)
+        self.core.aborts.cancel_peer(peer.name, error)
+
+    def check_deadlines(self, now: float) -> None:
+        timeout = self.core.config.ack_timeout
+        for peer in self.peers.all():
+            for record in list(peer.session.outbound.values()):
+                if now > record.deadline and not record.receipt.done():
+                    record.fail(
+                        AckTimeoutError(
+                            f"peer {peer.name!r} did not acknowledge object {record.object_id} "
+                            f"(request {record.request_id!r}, {record.length} bytes via "
+                            f"{record.receipt.backend}) within {timeout:g} s"
+                        )
+                    )
+
+    def close(self) -> None:
+        error = EndpointClosedError(f"endpoint {self.core.name!r} closed")
+        self.core.aborts.cancel_all(error)
+        for peer in self.peers.all():
+            for record in list(peer.session.outbound.values()):
+                record.release(error)
+
+    async def drain(self, timeout: float | None) -> None:
+        pending = [
+            (peer.name, record)
+            for peer in self.peers.all()
+            for record in list(peer.session.outbound.values())
+        ]
+        with anyio.move_on_after(timeout):
+            for _, record in pending:
+                with contextlib.suppress(OmniwireError):
+                    await record.receipt.wait()
+            return
+        left = [f"{name}:{r.object_id}" for name, r in pending if not r.receipt.done()]
+        raise DrainTimeoutError(
+            f"{len(left)} object(s) still unacknowledged after {timeout:g} s: {', '.join(left[:8])}"
+        )
+
+    def in_flight(self) -> dict[str, int]:
+        return {p.name: len(p.session.outbound) for p in self.peers.all()}
+
+
+def payload_info(kind: Kind, tensors: list[torch.Tensor], layout: packing.PackPlan) -> PayloadInfo:
+    return PayloadInfo(kind, layout.nbytes, frozenset(t.device.type for t in tensors), len(tensors))
+
+
+def _as_error(exc: BaseException, peer: Peer) -> BaseException | None:
+    """The error a receipt reports for a send that failed before its announce."""
+    return (
+        exc
+        if isinstance(exc, Exception)
+        else EndpointClosedError(f"send to {peer.name!r} cancelled")
+    )
+
+
+async def _pack(
+    dest: torch.Tensor, tensors: list[torch.Tensor], layout: packing.PackPlan, lo: int, hi: int
+) -> None:
+    if hi - lo < THREAD_COPY_THRESHOLD:
+        packing.pack_into(dest, tensors, layout, lo, hi)
+        return
+    cuda = next((t.device for t in tensors if t.device.type == "cuda"), None)
+    if cuda is None and dest.device.type != "cuda":
+        await anyio.to_thread.run_sync(packing.pack_into, dest, tensors, layout, lo, hi)
+        return
+    # CUDA copies are ordered on a stream, and the current stream is per thread:
+    # pack in the worker on the caller's stream, after the work that made the tensors.
+    stream = torch.cuda.current_stream(cuda if cuda is not None else dest.device)
+
+    def pack_on_stream() -> None:
+        with torch.cuda.stream(stream):
+            packing.pack_into(dest, tensors, layout, lo, hi)
+
+    await anyio.to_thread.run_sync(pack_on_stream)
+
+
+class _locked:
+    """``async with lock`` without anyio's scheduling checkpoint when it is free: an
+    uncontended send must not cost a trip around the event loop."""
+
+    __slots__ = ("lock",)
+
+    def __init__(self, lock: anyio.Lock) -> None:
+        self.lock = lock
+
+    async def __aenter__(self) -> None:
+        try:
+            self.lock.acquire_nowait()
+        except anyio.WouldBlock:
+            await self.lock.acquire()
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.lock.release()

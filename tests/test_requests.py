@@ -1,0 +1,234 @@
+"""Request-scoped deliveries (``requests()``, ``deliveries(request_id=)``,
+``receive(request_id=)``), the receive budget's unclaimed rule, and replies."""
+
+from __future__ import annotations
+
+import os
+import random
+import secrets
+import tempfile
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import anyio
+import pytest
+import torch
+
+from omniwire import Delivery
+from omniwire.endpoint import DeliveryStream, Endpoint
+from omniwire.errors import EndpointClosedError, EndpointNotStartedError, OmniwireError
+
+pytestmark = pytest.mark.asyncio
+
+
+def addr(name: str) -> str:
+    return f"ipc://{tempfile.gettempdir()}/owt-{os.getuid()}/{name}-{secrets.token_hex(3)}"
+
+
+@asynccontextmanager
+async def pair(**receiver_kw: Any) -> AsyncIterator[tuple[Endpoint, Endpoint]]:
+    """``a`` sends to ``b`` (``b`` has no ``peers=``); ``sender=`` kwargs go to ``a``."""
+    sender_kw = receiver_kw.pop("sender", {})
+    async with (
+        Endpoint("b", address=addr("b"), **receiver_kw) as b,
+        Endpoint("a", address=addr("a"), peers={"b": b.address}, **sender_kw) as a,
+    ):
+        await a.wait_peer("b", 10)
+        yield a, b
+
+
+async def test_concurrent_requests_each_in_its_own_task_keep_order_and_lose_nothing() -> None:
+    n_requests, n_chunks = 20, 6
+    rng = random.Random(7)
+    got: dict[str, list[tuple[str, int, Any]]] = {}
+    routes = {"b:stream_chunk": "inline"}  # chunks inline, payloads as objects (local)
+    async with pair(sender={"routes": routes}) as (a, b):
+
+        async def serve(request: DeliveryStream) -> None:
+            async with request:
+                await anyio.sleep(rng.random() / 20)  # some tasks start late
+                async for d in request:
+                    got.setdefault(d.request_id, []).append((d.kind, d.chunk_id, d.metadata))
+                    await anyio.sleep(rng.random() / 200)
+
+        async def server() -> None:
+            async with anyio.create_task_group() as tg:
+                async for request in b.requests():
+                    assert request.request_id is not None
+                    tg.start_soon(serve, request)
+
+        with anyio.fail_after(60):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(server)
+                # interleave every request's payload, chunks and end, round by round
+                rids = [f"r{i}" for i in range(n_requests)]
+                for rid in rids:
+                    await a.send("b", {"x": torch.ones(2)}, request_id=rid, metadata=-1)
+                for step in range(n_chunks):
+                    rng.shuffle(rids)
+                    for rid in rids:
+                        await a.stream("b", torch.full((2,), step), request_id=rid, metadata=step)
+                for rid in rids:
+                    await a.end_stream("b", request_id=rid)
+                while sum(len(v) for v in got.values()) < n_requests * (n_chunks + 2):
+                    await anyio.sleep(0.01)
+                tg.cancel_scope.cancel()
+    assert sorted(got) == sorted(f"r{i}" for i in range(n_requests))
+    for rid, items in got.items():
+        kinds = [k for k, _, _ in items]
+        assert kinds == ["payload"] + ["stream_chunk"] * n_chunks + ["stream_end"], rid
+        assert [m for k, _, m in items if k == "stream_chunk"] == list(range(n_chunks)), rid
+        assert [c for k, c, _ in items if k == "stream_chunk"] == list(range(n_chunks)), rid
+    assert b.queued() == 0
+
+
+async def test_a_held_request_is_not_taken_by_unscoped_consumers() -> None:
+    async with pair() as (a, b):
+        held = b.deliveries(request_id="mine")  # held from now, before anything arrives
+        await a.send("b", 1, request_id="other-1")
+        await a.send("b", 2, request_id="mine")
+        await a.send("b", 3, request_id="other-2")
+        await a.end_stream("b", request_id="mine")
+        with anyio.fail_after(10):
+            first = await b.receive()
+            second = await b.receive()
+            assert [first.request_id, second.request_id] == ["other-1", "other-2"]
+            with pytest.raises(TimeoutError, match=r"no delivery within 0\.2 s"):
+                await b.receive(timeout=0.2)  # only the held request is left
+            mine = [d async for d in held]
+        assert [(d.kind, d.payload) for d in mine] == [("payload", 2), ("stream_end", None)]
+        assert held.ended
+        # after its end the request is nobody's: a late delivery goes to anyone
+        await a.send("b", 4, request_id="mine")
+        with anyio.fail_after(10):
+            assert (await b.receive()).payload == 4
+
+
+async def test_receive_by_request_and_stage_waits_for_it_and_times_out_naming_it() -> None:
+    async with Endpoint("c", address=addr("c")) as c, pair() as (a, b):
+        c.add_peer("b", b.address)
+        await c.wait_peer("b", 10)
+        with pytest.raises(TimeoutError, match=r"no delivery of request 'r' from 'c' within"):
+            await b.receive(timeout=0.2, request_id="r", from_stage="c")
+
+        async def later() -> None:
+            await anyio.sleep(0.1)
+            await a.send("b", "from a", request_id="r")
+            await c.send("b", "from c", request_id="r")
+
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(later)
+                d = await b.receive(request_id="r", from_stage="c")
+            assert (d.from_stage, d.payload) == ("c", "from c")
+            d = await b.receive(request_id="r")
+            assert (d.from_stage, d.payload) == ("a", "from a")
+
+
+async def test_a_stream_of_one_stage_ends_on_its_end_and_on_an_abort_from_anywhere() -> None:
+    async with Endpoint("c", address=addr("c")) as c, pair() as (a, b):
+        c.add_peer("b", b.address)
+        await c.wait_peer("b", 10)
+        from_a = b.deliveries(request_id="r", from_stage="a")
+        from_c = b.deliveries(request_id="r", from_stage="c")
+        await a.stream("b", 1, request_id="r")
+        await c.stream("b", 2, request_id="r")
+        await c.end_stream("b", request_id="r")  # ends from_c only
+        with anyio.fail_after(10):
+            assert [d.kind async for d in from_c] == ["stream_chunk", "stream_end"]
+            assert (await from_a.__anext__()).payload == 1
+            await c.abort("r")  # b hears it from c; it ends a's stream too
+            rest = [d async for d in from_a]
+        assert [d.kind for d in rest] == ["aborted"]
+        assert rest[0].from_stage == "c"
+
+
+async def test_a_stream_closed_early_gives_the_rest_of_its_request_back() -> None:
+    async with pair() as (a, b):
+        for i in range(3):
+            await a.stream("b", i, request_id="r")
+        with anyio.fail_after(10):
+            async with b.deliveries(request_id="r") as stream:
+                assert (await stream.__anext__()).payload == 0
+            assert stream.ended
+            assert [(await b.receive()).payload for _ in range(2)] == [1, 2]
+
+
+async def test_iterating_ends_when_the_endpoint_closes_and_refuses_before_start() -> None:
+    ep = Endpoint("solo", address=addr("solo"))
+    with pytest.raises(EndpointNotStartedError):
+        ep.deliveries(request_id="r")
+    with pytest.raises(EndpointNotStartedError):
+        await ep.requests().__anext__()
+    async with ep:
+        stream = ep.deliveries(request_id="r")
+
+        async def close_soon() -> None:
+            await anyio.sleep(0.1)
+            await ep.aclose()
+
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(close_soon)
+                assert [d async for d in stream] == []
+                assert [r async for r in ep.requests()] == []
+    with pytest.raises(EndpointClosedError):
+        await ep.receive(timeout=1)
+
+
+async def test_an_unclaimed_delivery_does_not_block_the_others_forever() -> None:
+    """The budget holds 2 objects; 2 of request 'gone' wait for a consumer that never
+    comes; a consumer of 'new' waits. After unclaimed_timeout they are dropped, 'new'
+    arrives, and 'gone' keeps one error delivery saying what happened."""
+    async with pair(receive_buffer=2, unclaimed_timeout=0.3) as (a, b):
+        for i in range(2):
+            await a.send("b", {"t": torch.full((4,), i)}, request_id="gone")
+        await a.send("b", {"t": torch.ones(4)}, request_id="new")
+        with anyio.fail_after(20):
+            d = await b.receive(request_id="new")
+        assert torch.equal(d.payload["t"], torch.ones(4))
+        assert b.counters["deliveries_unclaimed"] == 2
+        with anyio.fail_after(10):
+            late = await b.receive(request_id="gone")
+        assert late.kind == "error"
+        assert late.cause == "unclaimed"
+        assert "waited" in (late.error or "") and "'gone'" in (late.error or "")
+        assert b.queued() == 0
+        await a.drain(10)  # the dropped ones were acknowledged: nothing stays reserved
+
+
+async def test_a_slow_consumer_loses_nothing_to_the_unclaimed_rule() -> None:
+    """Budget full, nobody waiting: nothing is dropped however long it takes."""
+    async with pair(receive_buffer=2, unclaimed_timeout=0.2) as (a, b):
+        for i in range(4):
+            await a.send("b", i, request_id=f"r{i}")
+        await anyio.sleep(1.0)  # several housekeeping ticks with the budget full
+        with anyio.fail_after(10):
+            got = [(await b.receive()).payload for _ in range(4)]
+        assert got == [0, 1, 2, 3]
+        assert b.counters["deliveries_unclaimed"] == 0
+
+
+async def test_reply_reaches_the_sender_without_a_peers_entry() -> None:
+    async with pair() as (a, b):
+        reply_stream = a.deliveries(request_id="q", from_stage="b")
+        await a.send("b", {"question": 6 * 7}, request_id="q")
+        with anyio.fail_after(10):
+            d = await b.receive()
+            receipt = await d.reply({"answer": d.payload["question"]})
+            for i in range(3):
+                await d.stream_reply(torch.full((2,), i), metadata={"i": i})
+            await d.end_reply()
+            await receipt.wait(10)
+            got = [x async for x in reply_stream]
+        assert "a" not in b._core.config.peers  # b was never told a's address
+        assert got[0].payload == {"answer": 42}
+        assert [x.metadata["i"] for x in got if x.kind == "stream_chunk"] == [0, 1, 2]
+        assert got[-1].kind == "stream_end"
+        assert all(x.request_id == "q" for x in got)
+
+
+async def test_reply_needs_a_delivery_that_came_from_an_endpoint() -> None:
+    with pytest.raises(OmniwireError, match="nobody to reply through"):
+        await Delivery("payload", "r", "x").reply(1)
