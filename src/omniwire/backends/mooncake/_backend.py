@@ -209,7 +209,7 @@ class MooncakeBackend(ByteBackend):
         self._releaser = Releaser("omniwire-mooncake")
         self._pool: SlotPool[Registered] | None = None
         self._registrations: RegistrationCache[int] | None = None
-        self._peers: dict[tuple[str, int], blobs.HelloInfo] = {}
+        self._peers: dict[tuple[str, int], blobs.PiecesHello] = {}
         self._busy = 0
         self._idle = anyio.Event()
         self._idle.set()
@@ -271,7 +271,7 @@ class MooncakeBackend(ByteBackend):
         self._engine, self._pool = engine, pool
         self._registrations = registration_cache(engine, self._releaser)
         self._hello = blobs.encode(
-            blobs.HelloInfo(
+            blobs.PiecesHello(
                 engine.session, self.protocol, self._pool_addr, pool.capacity, pieces=True
             )
         )

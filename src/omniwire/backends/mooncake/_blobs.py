@@ -34,17 +34,33 @@ from ...errors import BackendError
 from ..base import PeerInfo
 from ..support import check_pieces, decode_blob
 
-__all__ = ["HelloInfo", "Piece", "PiecesRef", "Ref", "decode_hello", "encode", "spans"]
+__all__ = [
+    "HelloInfo",
+    "Piece",
+    "PiecesHello",
+    "PiecesRef",
+    "Ref",
+    "decode_hello",
+    "encode",
+    "spans",
+]
 
 U64_MAX = 2**64 - 1
 U64 = Annotated[int, msgspec.Meta(ge=0)]  # msgpack integers stop at 2**64 - 1
 
 
 class HelloInfo(msgspec.Struct, frozen=True):
+    """The Hello info as wire 1.1 documents it (specs/wire-v1.md §9)."""
+
     session: str
     protocol: str
     pool_addr: U64
     pool_size: U64
+
+
+class PiecesHello(HelloInfo, frozen=True):
+    """What this backend announces and reads: the 1.1 fields and ``pieces``."""
+
     pieces: bool = False
 
 
@@ -69,19 +85,23 @@ class PiecesRef(Ref, frozen=True):
     pieces: list[Piece] = msgspec.field(default_factory=list)
 
 
+# _hello_decoder and _ref_decoder read the documented 1.1 forms (the blob vectors);
+# the backend reads every form with the others.
 _hello_decoder = msgspec.msgpack.Decoder(HelloInfo)
-_ref_decoder = msgspec.msgpack.Decoder(PiecesRef)
+_ref_decoder = msgspec.msgpack.Decoder(Ref)
+_pieces_hello_decoder = msgspec.msgpack.Decoder(PiecesHello)
+_pieces_ref_decoder = msgspec.msgpack.Decoder(PiecesRef)
 encode = msgspec.msgpack.Encoder().encode
 
 
-def decode_hello(peer: PeerInfo, protocol: str) -> HelloInfo:
+def decode_hello(peer: PeerInfo, protocol: str) -> PiecesHello:
     """Decode and check a peer's Hello info.
 
     Raises:
         BackendError: malformed, another protocol, a bad session, a pool past the
             address space.
     """
-    hello = decode_blob(_hello_decoder, peer.info, f"mooncake hello info from {peer.name!r}")
+    hello = decode_blob(_pieces_hello_decoder, peer.info, f"mooncake hello info from {peer.name!r}")
     if hello.protocol != protocol:
         raise BackendError(
             f"{peer.name!r} runs mooncake over {hello.protocol!r}, this endpoint over {protocol!r}"
@@ -101,7 +121,7 @@ def spans(data: bytes, hello: HelloInfo, nbytes: int, peer: str) -> list[tuple[i
         BackendError: malformed, or names memory the peer does not own or outside it.
     """
     where = f"mooncake reference from {peer!r}"
-    ref = decode_blob(_ref_decoder, data, where)
+    ref = decode_blob(_pieces_ref_decoder, data, where)
     if ref.session != hello.session:
         raise BackendError(
             f"{where} names session {ref.session[:80]!r}, not its own ({hello.session})"

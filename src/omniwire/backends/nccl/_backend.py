@@ -261,7 +261,7 @@ class NcclBackend(ByteBackend):
 
     def hello(self) -> bytes:
         return blobs.encode(
-            blobs.HelloInfo(host=self.ctx.host, port=self.port, cuda=self.cuda, pieces=True)
+            blobs.PiecesHello(host=self.ctx.host, port=self.port, cuda=self.cuda, pieces=True)
         )
 
     async def connect(self, peer: PeerInfo) -> None:

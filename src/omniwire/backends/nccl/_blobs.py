@@ -24,16 +24,32 @@ from ...errors import BackendError
 from ..base import PeerInfo
 from ..support import check_pieces, decode_blob
 
-__all__ = ["MAX_TAG", "HelloInfo", "PiecesRef", "Ref", "decode_hello", "decode_ref", "encode"]
+__all__ = [
+    "MAX_TAG",
+    "HelloInfo",
+    "PiecesHello",
+    "PiecesRef",
+    "Ref",
+    "decode_hello",
+    "decode_ref",
+    "encode",
+]
 
 MAX_TAG = 2**31 - 1  # gloo tags are non-negative int32; 0 is the ordered channel's
 Device = Literal["cpu", "cuda"]
 
 
 class HelloInfo(msgspec.Struct, frozen=True):
+    """The Hello info as wire 1.1 documents it (specs/wire-v1.md §9)."""
+
     host: str
     port: int
     cuda: bool = False
+
+
+class PiecesHello(HelloInfo, frozen=True):
+    """What this backend announces and reads: the 1.1 fields and ``pieces``."""
+
     pieces: bool = False
 
 
@@ -51,14 +67,18 @@ class PiecesRef(Ref, frozen=True):
     pieces: list[tuple[int, int]] = msgspec.field(default_factory=list)
 
 
+# _hello_decoder and _ref_decoder read the documented 1.1 forms (the blob vectors);
+# the backend reads every form with the others.
 _hello_decoder = msgspec.msgpack.Decoder(HelloInfo)
-_ref_decoder = msgspec.msgpack.Decoder(PiecesRef)
+_ref_decoder = msgspec.msgpack.Decoder(Ref)
+_pieces_hello_decoder = msgspec.msgpack.Decoder(PiecesHello)
+_pieces_ref_decoder = msgspec.msgpack.Decoder(PiecesRef)
 encode = msgspec.msgpack.Encoder().encode
 
 
-def decode_hello(peer: PeerInfo) -> HelloInfo:
+def decode_hello(peer: PeerInfo) -> PiecesHello:
     """Raises BackendError: malformed, or names no usable store."""
-    hello = decode_blob(_hello_decoder, peer.info, f"nccl hello info from {peer.name!r}")
+    hello = decode_blob(_pieces_hello_decoder, peer.info, f"nccl hello info from {peer.name!r}")
     if not hello.host or len(hello.host) > 255 or not 0 < hello.port < 65536:
         raise BackendError(
             f"nccl hello info from {peer.name!r} names no usable store "
@@ -75,7 +95,7 @@ def decode_ref(data: bytes, nbytes: int, peer: str, cuda_pair: bool) -> PiecesRe
         BackendError: malformed or inconsistent.
     """
     where = f"nccl reference from {peer!r}"
-    ref = decode_blob(_ref_decoder, data, where)
+    ref = decode_blob(_pieces_ref_decoder, data, where)
     if ref.nbytes != nbytes or nbytes < 0:
         raise BackendError(f"{where} has size {ref.nbytes} != {nbytes}")
     last = ref.tag + max(len(ref.pieces), 1) - 1

@@ -21,7 +21,7 @@ import torch
 
 from ...errors import BackendClosedError, BackendError
 from ..base import Locality, PeerInfo
-from ._blobs import MAX_TAG, Device, HelloInfo, PiecesRef
+from ._blobs import MAX_TAG, Device, PiecesHello, PiecesRef
 from ._engine import HEADER_BYTES, Group, Store, Work, engine_error, header, seconds
 
 if TYPE_CHECKING:
@@ -174,7 +174,7 @@ class _Header:
 class Pair:
     """This endpoint and one peer instance: the rendezvous facts and the current link."""
 
-    def __init__(self, backend: NcclBackend, peer: PeerInfo, hello: HelloInfo) -> None:
+    def __init__(self, backend: NcclBackend, peer: PeerInfo, hello: PiecesHello) -> None:
         me = (backend.ctx.endpoint, backend.ctx.instance)
         them = (peer.name, peer.instance)
         self.name = peer.name

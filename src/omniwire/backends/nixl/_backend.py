@@ -102,7 +102,7 @@ class _Loaded:
 class _Remote:
     """What the receiver knows of a peer's agent."""
 
-    def __init__(self, peer: PeerInfo, hello: blobs.HelloInfo) -> None:
+    def __init__(self, peer: PeerInfo, hello: blobs.PiecesHello) -> None:
         self.peer = peer.name
         self.key = peer.key
         self.agent = hello.agent
@@ -390,7 +390,7 @@ class NixlBackend(ByteBackend):
             raise
         self._pools = pools
         self._info = blobs.encode(
-            blobs.HelloInfo(
+            blobs.PiecesHello(
                 self.agent_name, metadata, [p.memory.region for p in pools], pieces=True
             )
         )

@@ -48,6 +48,7 @@ __all__ = [
     "HelloInfo",
     "Lent",
     "Piece",
+    "PiecesHello",
     "PiecesRef",
     "Ref",
     "Region",
@@ -86,14 +87,21 @@ class Region(msgspec.Struct, frozen=True, array_like=True):
 
 
 class HelloInfo(msgspec.Struct, frozen=True):
+    """The Hello info as wire 1.1 documents it (specs/wire-v1.md §9)."""
+
     agent: str
     metadata: bytes
     pools: list[Region]
+
+
+class PiecesHello(HelloInfo, frozen=True):
+    """What this backend announces and reads: the 1.1 fields and ``pieces``."""
+
     pieces: bool = False
 
 
 class Ref(msgspec.Struct, frozen=True):
-    pool: Annotated[int, msgspec.Meta(ge=-2, le=255)]
+    pool: Annotated[int, msgspec.Meta(ge=-1, le=255)]
     offset: U64
     length: U64
     region: Region | None = None
@@ -112,15 +120,25 @@ class Piece(msgspec.Struct, frozen=True, array_like=True):
     lent: Annotated[int, msgspec.Meta(ge=0)]
 
 
-class PiecesRef(Ref, frozen=True):
-    """Any reference (what is decoded); a lent one is encoded with its pieces."""
+class PiecesRef(msgspec.Struct, frozen=True):
+    """Any reference (what the backend decodes); a lent one is encoded with its pieces.
+    The 1.1 fields, ``pool`` also -2, then ``lent`` and ``pieces``."""
 
+    pool: Annotated[int, msgspec.Meta(ge=-2, le=255)]
+    offset: U64
+    length: U64
+    region: Region | None = None
+    metadata: bytes = b""
     lent: list[Lent] = msgspec.field(default_factory=list)
     pieces: list[Piece] = msgspec.field(default_factory=list)
 
 
+# _hello_decoder and _ref_decoder read the documented 1.1 forms (the blob vectors);
+# the backend reads every form with the others.
 _hello_decoder = msgspec.msgpack.Decoder(HelloInfo)
-_ref_decoder = msgspec.msgpack.Decoder(PiecesRef)
+_ref_decoder = msgspec.msgpack.Decoder(Ref)
+_pieces_hello_decoder = msgspec.msgpack.Decoder(PiecesHello)
+_pieces_ref_decoder = msgspec.msgpack.Decoder(PiecesRef)
 encode = msgspec.msgpack.Encoder().encode
 
 
@@ -151,7 +169,7 @@ def md_agent(metadata: bytes) -> str | None:
         return None
 
 
-def decode_hello(peer: PeerInfo) -> HelloInfo:
+def decode_hello(peer: PeerInfo) -> PiecesHello:
     """Decode a peer's Hello info.
 
     Raises:
@@ -159,7 +177,7 @@ def decode_hello(peer: PeerInfo) -> HelloInfo:
     """
     if len(peer.info) > MAX_METADATA:
         raise BackendError(f"nixl hello info from {peer.name!r} is too large")
-    return decode_blob(_hello_decoder, peer.info, f"nixl hello info from {peer.name!r}")
+    return decode_blob(_pieces_hello_decoder, peer.info, f"nixl hello info from {peer.name!r}")
 
 
 def resolve(
@@ -173,7 +191,7 @@ def resolve(
         BackendError: malformed, or names memory outside what the peer owns.
     """
     where = f"nixl reference from {peer!r}"
-    ref = decode_blob(_ref_decoder, data, where)
+    ref = decode_blob(_pieces_ref_decoder, data, where)
     if ref.length != nbytes:
         raise BackendError(f"{where} has length {ref.length} != {nbytes}")
 
