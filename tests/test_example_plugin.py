@@ -134,7 +134,8 @@ def test_preference_order_policy_routes_the_edge_over_it(edge: _Edge) -> None:
 
 
 def test_default_policy_prefers_shm_and_says_why(edge: _Edge) -> None:
-    route = edge.portal.call(edge.default.route, edge.peer, {"t": torch.ones(1000)})
+    payload = {"t": torch.ones(1 << 14)}  # 64 KiB: too large to travel inline
+    route = edge.portal.call(edge.default.route, edge.peer, payload)
     assert route.backend == "shm", route.explain()
     ours = plugin_class().capabilities.preference
     shm = registry.load_backend("shm").capabilities.preference

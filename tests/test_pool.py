@@ -18,10 +18,11 @@ from omniwire.backends.support import (
     HostMemory,
     RegistrationCache,
     Releaser,
+    TransferTimeoutError,
     check_range,
     poll_until,
 )
-from omniwire.errors import BackendClosedError, BackendError, TransferTimeoutError
+from omniwire.errors import BackendClosedError, BackendError
 
 
 class Buffers:

@@ -32,7 +32,6 @@ __all__ = [
     "RemoteProtocolError",
     "RequestAbortedError",
     "ShmFullError",
-    "TransferTimeoutError",
     "UnknownNameError",
     "UnsupportedVersionError",
     "WireFormatError",
@@ -96,10 +95,6 @@ class BackendClosedError(BackendError):
 
 class ShmFullError(BackendError, MemoryError):
     """``/dev/shm`` has no room for a segment of the size needed."""
-
-
-class TransferTimeoutError(BackendError, TimeoutError):
-    """An engine transfer did not complete in time (it may still land later)."""
 
 
 class NoRouteError(OmniwireError):

@@ -22,7 +22,7 @@ import anyio
 import msgspec
 import torch
 
-from ..errors import BackendError, TransferTimeoutError
+from ..errors import BackendError
 from ..wire import MAX_TENSORS, align_up
 from .base import BackendBase, Export
 
@@ -32,6 +32,7 @@ __all__ = [
     "LentPiece",
     "RegistrationCache",
     "Releaser",
+    "TransferTimeoutError",
     "byte_view",
     "check_pieces",
     "check_range",
@@ -53,6 +54,11 @@ _MADV_DONTNEED = getattr(mmap, "MADV_DONTNEED", None)
 #: The shortest and longest sleep between two completion checks.
 POLL_MIN_S = 10e-6
 POLL_MAX_S = 500e-6
+
+
+class TransferTimeoutError(BackendError, TimeoutError):
+    """An engine transfer did not complete in time (it may still land later: keep its
+    memory out of reuse). What :func:`poll_until` raises on a timeout."""
 
 
 def mib(n: int) -> str:

@@ -9,7 +9,7 @@ from typing import ClassVar, Literal
 import anyio
 import torch
 
-from ...errors import BackendClosedError, BackendError, TransferTimeoutError
+from ...errors import BackendClosedError, BackendError
 from ..base import (
     Availability,
     BackendContext,
@@ -22,7 +22,15 @@ from ..base import (
     copy_range,
 )
 from ..pool import Lease, SlotPool
-from ..support import LentExport, RegistrationCache, Releaser, check_range, lend, mib
+from ..support import (
+    LentExport,
+    RegistrationCache,
+    Releaser,
+    TransferTimeoutError,
+    check_range,
+    lend,
+    mib,
+)
 from . import _blobs as blobs
 from ._engine import Engine, import_error, read, shared_engine
 from ._memory import Registered, new_pool, registration_cache

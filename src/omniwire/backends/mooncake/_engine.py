@@ -23,8 +23,8 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-from ...errors import BackendError, TransferTimeoutError
-from ..support import poll_until
+from ...errors import BackendError
+from ..support import TransferTimeoutError, poll_until
 
 __all__ = ["Engine", "TransferEngine", "import_error", "read", "shared_engine"]
 
