@@ -310,9 +310,7 @@ def blobs() -> dict[str, msgspec.Struct]:
         "cuda_ipc_ref_tensors": cuda_ipc.TensorsRef(
             shares=[share],
             tensors=[
-                cuda_ipc.TensorRef(
-                    share=0, dtype="float16", shape=[2, 3], stride=[3, 1], offset=0
-                ),
+                cuda_ipc.TensorRef(share=0, dtype="float16", shape=[2, 3], stride=[3, 1], offset=0),
                 cuda_ipc.TensorRef(share=0, dtype="float16", shape=[4], stride=[1], offset=32),
             ],
         ),
