@@ -320,7 +320,7 @@ async def run_pair(
             for size in sizes:
                 x = pattern(size // 4, size, src_dev)
                 warm, timed = (0, 1) if check_only else ITERATIONS.get(size, (1, 3))
-                before = dict(ep.backend(backend).stats())
+                before = dict(ep.backend(backend).stats().detail)
                 seconds = []
                 meta: dict[str, Any] = {}
                 for i in range(warm + timed):
@@ -329,7 +329,7 @@ async def run_pair(
                     meta = ok.metadata or {}
                     if i >= warm:
                         seconds.append(elapsed)
-                after = ep.backend(backend).stats()
+                after = ep.backend(backend).stats().detail
                 via = [
                     name
                     for key, name in (

@@ -279,9 +279,13 @@ def header_value() -> dict[object, object]:
 
 def blobs() -> dict[str, msgspec.Struct]:
     """Each built-in backend's Hello info and reference blobs, by file stem."""
-    from omniwire.backends import cuda_ipc, mooncake, nccl, nixl, shm
+    from omniwire.backends import shm
+    from omniwire.backends.cuda_ipc import _blobs as cuda_ipc
+    from omniwire.backends.mooncake import _blobs as mooncake
+    from omniwire.backends.nccl import _blobs as nccl
+    from omniwire.backends.nixl import _blobs as nixl
 
-    share = cuda_ipc._Share(
+    share = cuda_ipc.Share(
         device="GPU-5f2c1a9e-0000-4000-8000-000000000001",
         handle=bytes(range(66)),
         nbytes=1 << 20,
@@ -293,26 +297,24 @@ def blobs() -> dict[str, msgspec.Struct]:
     )
     agent = f"ow-thinker-{PID}-0123456789ab"
     nixl_md = b"nixlSerDes|Agent" + len(agent).to_bytes(8, "little") + agent.encode() + b"|..."
-    pool = nixl._Region(addr=0x7F0000000000, length=128 << 20, dev=0, mem="DRAM")
+    pool = nixl.Region(addr=0x7F0000000000, length=128 << 20, dev=0, mem="DRAM")
     return {
         "shm_hello": shm._HelloInfo(prefix=SHM_PREFIX),
         "shm_ref": shm._Ref(segment=f"{SHM_PREFIX}-0", offset=8192, size=128, dedicated=False),
         "shm_ref_dedicated": shm._Ref(
             segment=f"{SHM_PREFIX}-7", offset=0, size=128, dedicated=True
         ),
-        "cuda_ipc_hello": cuda_ipc._HelloInfo(
+        "cuda_ipc_hello": cuda_ipc.HelloInfo(
             pid=PID, device="GPU-5f2c1a9e-0000-4000-8000-000000000001", release_event=bytes(64)
         ),
-        "cuda_ipc_ref_tensors": cuda_ipc._TensorsRef(
+        "cuda_ipc_ref_tensors": cuda_ipc.TensorsRef(
             shares=[share],
             tensors=[
-                cuda_ipc._TensorRef(
-                    share=0, dtype="float16", shape=[2, 3], stride=[3, 1], offset=0
-                ),
-                cuda_ipc._TensorRef(share=0, dtype="float16", shape=[4], stride=[1], offset=32),
+                cuda_ipc.TensorRef(share=0, dtype="float16", shape=[2, 3], stride=[3, 1], offset=0),
+                cuda_ipc.TensorRef(share=0, dtype="float16", shape=[4], stride=[1], offset=32),
             ],
         ),
-        "cuda_ipc_ref_slot": cuda_ipc._SlotRef(
+        "cuda_ipc_ref_slot": cuda_ipc.SlotRef(
             buffer=share,
             buffer_id=0,
             dedicated=False,
@@ -321,24 +323,24 @@ def blobs() -> dict[str, msgspec.Struct]:
             event=bytes(64),
             event_id=5,
         ),
-        "mooncake_hello": mooncake._HelloInfo(
+        "mooncake_hello": mooncake.HelloInfo(
             session="10.0.0.1:15002", protocol="tcp", pool_addr=0x7F0000000000, pool_size=64 << 20
         ),
-        "mooncake_ref": mooncake._Ref(session="10.0.0.1:15002", offset=4096, length=128),
-        "mooncake_ref_dedicated": mooncake._Ref(
+        "mooncake_ref": mooncake.Ref(session="10.0.0.1:15002", offset=4096, length=128),
+        "mooncake_ref_dedicated": mooncake.Ref(
             session="10.0.0.1:15002", offset=0, length=128 << 20, dedicated=0x7F1000000000
         ),
-        "nixl_hello": nixl._HelloInfo(agent=agent, metadata=nixl_md, pools=[pool]),
-        "nixl_ref": nixl._Ref(pool=0, offset=4096, length=128),
-        "nixl_ref_dedicated": nixl._Ref(
+        "nixl_hello": nixl.HelloInfo(agent=agent, metadata=nixl_md, pools=[pool]),
+        "nixl_ref": nixl.Ref(pool=0, offset=4096, length=128),
+        "nixl_ref_dedicated": nixl.Ref(
             pool=-1,
             offset=0,
             length=256 << 20,
-            region=nixl._Region(addr=0x7F2000000000, length=256 << 20, dev=0, mem="DRAM"),
+            region=nixl.Region(addr=0x7F2000000000, length=256 << 20, dev=0, mem="DRAM"),
             metadata=nixl_md,
         ),
-        "nccl_hello": nccl._HelloInfo(host="10.0.0.1", port=29500, cuda=False),
-        "nccl_ref": nccl._Ref(gen=0, tag=1, nbytes=128, device="cpu", ordered=False),
+        "nccl_hello": nccl.HelloInfo(host="10.0.0.1", port=29500, cuda=False),
+        "nccl_ref": nccl.Ref(gen=0, tag=1, nbytes=128, device="cpu", ordered=False),
     }
 
 

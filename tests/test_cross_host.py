@@ -12,6 +12,7 @@ from typing import Any
 
 import anyio
 import pytest
+import torch
 from anyio.from_thread import start_blocking_portal
 from hypothesis import HealthCheck, given, settings
 
@@ -73,7 +74,6 @@ def test_cross_host_routes_and_round_trips(
         ack_timeout=60,
         **kw,
     )
-    assert ep.host_id != REMOTE_HOST
     with start_blocking_portal() as portal, portal.wrap_async_context_manager(ep):
         portal.call(ep.wait_peer, peer.name, 60)
         route = portal.call(lambda: _route(ep, peer.name))
@@ -91,17 +91,17 @@ def test_cross_host_routes_and_round_trips(
         )
         @given(payloads(max_leaves=6))
         def round_trip(value: Any) -> None:
-            d = portal.call(_echo, ep, peer.name, {"v": value}, f"x{next(counter)}")
+            # an anchor of 64 KiB: small payloads would travel inline, not over the engine
+            sent = {"v": value, "anchor": torch.arange(1 << 14, dtype=torch.float32)}
+            d = portal.call(_echo, ep, peer.name, sent, f"x{next(counter)}")
             assert d.kind == "payload"
             assert d.backend == expected
-            assert_payload_equal({"v": value}, d.payload)
+            assert_payload_equal(sent, d.payload)
 
         round_trip()
 
 
 async def _route(ep: Endpoint, peer: str) -> Any:
-    import torch
-
     return ep.route(peer, {"t": torch.ones(1 << 16)})
 
 

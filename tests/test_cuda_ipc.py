@@ -19,10 +19,9 @@ import os
 import secrets
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
-from types import ModuleType, SimpleNamespace
+from types import ModuleType
 from typing import Any
 
 import anyio
@@ -32,13 +31,18 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import omniwire.backends.cuda_ipc as ci
 from omniwire import packing, registry
-from omniwire.backends.base import Availability, BackendContext, Capabilities, Locality, PeerInfo
-from omniwire.backends.cuda_ipc import (
-    CudaIpcBackend,
-    EventRing,
-    SlotPool,
+from omniwire.backends.base import (
+    Availability,
+    BackendContext,
+    Capabilities,
+    Export,
+    Locality,
+    PeerInfo,
+)
+from omniwire.backends.cuda_ipc import CudaApi, CudaIpcBackend, EventRing, TorchCuda
+from omniwire.backends.cuda_ipc import _blobs as ci
+from omniwire.backends.cuda_ipc._blobs import (
     build_views,
     decode_hello,
     decode_ref,
@@ -140,84 +144,7 @@ class TestWithoutCuda:
             CudaIpcBackend(BackendContext("x", 1, {"min_block": 1000}))
 
 
-# ----------------------------------------------------------------------- the allocator
-
-
-class TestSlotPool:
-    def test_buddy_slots_and_quarantine(self) -> None:
-        pool = SlotPool(1 << 20, 4096)
-        a = pool.allocate(100_000)
-        b = pool.allocate(300_000)
-        assert a is not None and b is not None and a != b
-        assert pool.allocate(1 << 20) is None  # fragmented by a and b
-        pool.release(a, None)
-        pool.release(b, holder="peer")
-        assert pool.quarantined == 1
-        assert pool.allocate(1 << 20) is None  # b is still held by the peer
-        assert pool.reclaim(lambda h: False) == 0
-        assert pool.reclaim(lambda h: h == "peer") == 1
-        assert pool.quarantined == 0 and pool.bytes_in_use == 0
-        assert pool.allocate(1 << 20) == 0  # coalesced back into one block
-
-    def test_forget_frees_a_gone_holder(self) -> None:
-        pool = SlotPool(1 << 16, 4096)
-        offs = [pool.allocate(4096) for _ in range(16)]
-        assert pool.allocate(1) is None
-        for o in offs:
-            assert o is not None
-            pool.release(o, holder=("p", 1))
-        assert pool.holders == [("p", 1)]
-        assert pool.forget(("p", 1)) == 16
-        assert pool.allocate(1 << 16) == 0
-
-    @settings(max_examples=60, deadline=None)
-    @given(
-        st.lists(
-            st.tuples(
-                st.sampled_from(["alloc", "free", "hold", "reclaim"]),
-                st.integers(0, 70_000),
-                st.integers(0, 3),
-            ),
-            max_size=60,
-        )
-    )
-    def test_slots_never_overlap(self, ops: list[tuple[str, int, int]]) -> None:
-        pool = SlotPool(1 << 18, 4096)
-        live: dict[int, int] = {}  # offset -> size (allocated, including quarantined)
-        held: dict[int, int] = {}  # offset -> holder
-        done: set[int] = set()
-        for op, n, holder in ops:
-            if op == "alloc":
-                off = pool.allocate(n)
-                if off is not None:
-                    size = max(4096, 1 << max(0, (max(n, 1) - 1).bit_length()))
-                    end = off + size
-                    assert end <= 1 << 18
-                    for o, s in live.items():
-                        assert end <= o or off >= o + s, "slots overlap"
-                    live[off] = size
-            elif op in ("free", "hold"):
-                free = [o for o in live if o not in held]
-                if free:
-                    o = free[n % len(free)]
-                    if op == "free":
-                        pool.release(o, None)
-                        del live[o]
-                    else:
-                        pool.release(o, holder)
-                        held[o] = holder
-            else:
-                done.add(holder)
-                pool.reclaim(lambda h: h in done)
-                for o in [o for o, h in held.items() if h in done]:
-                    del held[o], live[o]
-            assert pool.quarantined == len(held)
-        for h in pool.holders:
-            pool.forget(h)
-        for o in [o for o in live if o not in held]:
-            pool.release(o, None)
-        assert pool.bytes_in_use == 0
-        assert pool.allocate(1 << 18) == 0
+# ----------------------------------------------------------------------- the event ring
 
 
 def test_event_ring_reuses_events() -> None:
@@ -244,10 +171,10 @@ def _peer(pid: int = PID, info: bytes = b"", name: str = "a") -> PeerInfo:
     return PeerInfo(name, 1, pid, "h", "t", Locality.SAME_HOST, info)
 
 
-def _share(storage: torch.UntypedStorage, n: int = 0, device: str = "GPU-A") -> ci._Share:
+def _share(storage: torch.UntypedStorage, n: int = 0, device: str = "GPU-A") -> ci.Share:
     if storage.nbytes() == 0:
-        return ci._Share(device=device, handle=b"", nbytes=0, offset=0)
-    return ci._Share(
+        return ci.Share(device=device, handle=b"", nbytes=0, offset=0)
+    return ci.Share(
         device=device,
         handle=b"H" + n.to_bytes(8, "little") + bytes(57),
         nbytes=storage.nbytes(),
@@ -271,11 +198,11 @@ def _sample_tensors() -> list[torch.Tensor]:
     ]
 
 
-def _plan(ts: list[torch.Tensor]) -> tuple[ci._TensorsRef, dict[int, torch.UntypedStorage]]:
+def _plan(ts: list[torch.Tensor]) -> tuple[ci.TensorsRef, dict[int, torch.UntypedStorage]]:
     counter = iter(range(1000))
     storages: dict[int, torch.UntypedStorage] = {}
 
-    def share(s: torch.UntypedStorage) -> ci._Share:
+    def share(s: torch.UntypedStorage) -> ci.Share:
         sh = _share(s, next(counter))
         storages[len(storages)] = s
         return sh
@@ -290,9 +217,9 @@ class TestWireBlobs:
         assert len(ref.shares) == 5  # base's storage is shared once for both views
         nbytes = packed_length(ts)
         assert nbytes == packing.plan(ts).nbytes
-        decoded = decode_ref(ci._encoder.encode(ref), _peer(), nbytes)
+        decoded = decode_ref(ci.encode(ref), _peer(), nbytes)
         assert decoded == ref
-        assert isinstance(decoded, ci._TensorsRef)
+        assert isinstance(decoded, ci.TensorsRef)
         views = build_views(decoded, [storages[i] for i in range(len(storages))])
         for t, v in zip(ts, views, strict=True):
             assert v.dtype == t.dtype and v.shape == t.shape and v.stride() == t.stride()
@@ -304,15 +231,15 @@ class TestWireBlobs:
     @given(st.lists(tensors(), min_size=1, max_size=6))
     def test_any_tensor_rebuilds_bit_exactly(self, ts: list[torch.Tensor]) -> None:
         ref, storages = _plan(ts)
-        decoded = decode_ref(ci._encoder.encode(ref), _peer(), packed_length(ts))
-        assert isinstance(decoded, ci._TensorsRef)
+        decoded = decode_ref(ci.encode(ref), _peer(), packed_length(ts))
+        assert isinstance(decoded, ci.TensorsRef)
         views = build_views(decoded, [storages[i] for i in range(len(storages))])
         for t, v in zip(ts, views, strict=True):
             assert_payload_equal(t, v)
 
     def test_slot_ref_round_trips(self) -> None:
         s = torch.empty(1 << 16, dtype=torch.uint8).untyped_storage()
-        ref = ci._SlotRef(
+        ref = ci.SlotRef(
             buffer=_share(s),
             buffer_id=0,
             dedicated=False,
@@ -321,25 +248,25 @@ class TestWireBlobs:
             event=bytes(64),
             event_id=3,
         )
-        assert decode_ref(ci._encoder.encode(ref), _peer(), 1000) == ref
+        assert decode_ref(ci.encode(ref), _peer(), 1000) == ref
 
     def test_hello_round_trips_and_is_checked(self) -> None:
-        info = ci._encoder.encode(ci._HelloInfo(pid=PID, device="GPU-A", release_event=bytes(64)))
+        info = ci.encode(ci.HelloInfo(pid=PID, device="GPU-A", release_event=bytes(64)))
         assert decode_hello(_peer(info=info)).device == "GPU-A"
         with pytest.raises(BackendError, match="pid"):
             decode_hello(_peer(pid=PID + 1, info=info))
-        bad = ci._encoder.encode(ci._HelloInfo(pid=PID, device="GPU-A", release_event=b"x"))
+        bad = ci.encode(ci.HelloInfo(pid=PID, device="GPU-A", release_event=b"x"))
         with pytest.raises(BackendError, match="event"):
             decode_hello(_peer(info=bad))
         with pytest.raises(BackendError, match="malformed"):
             decode_hello(_peer(info=b"\xc1"))
 
     @staticmethod
-    def _tensors_ref(**share_changes: Any) -> tuple[ci._TensorsRef, int]:
+    def _tensors_ref(**share_changes: Any) -> tuple[ci.TensorsRef, int]:
         ts = [torch.arange(16, dtype=torch.int32)]
         ref, _ = _plan(ts)
         share = msgspec.structs.replace(ref.shares[0], **share_changes)
-        return ci._TensorsRef(shares=[share], tensors=ref.tensors), packed_length(ts)
+        return ci.TensorsRef(shares=[share], tensors=ref.tensors), packed_length(ts)
 
     @pytest.mark.parametrize(
         ("changes", "match"),
@@ -361,7 +288,7 @@ class TestWireBlobs:
     def test_bad_shares_are_refused(self, changes: dict[str, Any], match: str) -> None:
         ref, nbytes = self._tensors_ref(**changes)
         with pytest.raises(BackendError, match=match):
-            decode_ref(ci._encoder.encode(ref), _peer(), nbytes)
+            decode_ref(ci.encode(ref), _peer(), nbytes)
 
     @pytest.mark.parametrize(
         ("changes", "match"),
@@ -378,14 +305,14 @@ class TestWireBlobs:
     def test_bad_tensors_are_refused(self, changes: dict[str, Any], match: str) -> None:
         ref, nbytes = self._tensors_ref()
         t = msgspec.structs.replace(ref.tensors[0], **changes)
-        bad = ci._TensorsRef(shares=ref.shares, tensors=[t])
+        bad = ci.TensorsRef(shares=ref.shares, tensors=[t])
         with pytest.raises(BackendError, match=match):
-            decode_ref(ci._encoder.encode(bad), _peer(), nbytes)
+            decode_ref(ci.encode(bad), _peer(), nbytes)
 
     def test_sizes_must_add_up(self) -> None:
         ref, nbytes = self._tensors_ref()
         with pytest.raises(BackendError, match="describes"):
-            decode_ref(ci._encoder.encode(ref), _peer(), nbytes + 1)
+            decode_ref(ci.encode(ref), _peer(), nbytes + 1)
 
     @pytest.mark.parametrize(
         ("changes", "nbytes", "match"),
@@ -399,7 +326,7 @@ class TestWireBlobs:
     )
     def test_bad_slots_are_refused(self, changes: dict[str, Any], nbytes: int, match: str) -> None:
         s = torch.empty(1 << 16, dtype=torch.uint8).untyped_storage()
-        ref = ci._SlotRef(
+        ref = ci.SlotRef(
             buffer=_share(s),
             buffer_id=0,
             dedicated=False,
@@ -410,7 +337,7 @@ class TestWireBlobs:
         )
         bad = msgspec.structs.replace(ref, **changes)
         with pytest.raises(BackendError, match=match):
-            decode_ref(ci._encoder.encode(bad), _peer(), nbytes)
+            decode_ref(ci.encode(bad), _peer(), nbytes)
 
     @settings(max_examples=200, deadline=None)
     @given(st.binary(max_size=300))
@@ -422,7 +349,7 @@ class TestWireBlobs:
     @given(st.data())
     def test_mutated_references_are_only_ever_backend_errors(self, data: st.DataObject) -> None:
         ref, _ = _plan(_sample_tensors())
-        raw = bytearray(ci._encoder.encode(ref))
+        raw = bytearray(ci.encode(ref))
         for _ in range(data.draw(st.integers(1, 4))):
             i = data.draw(st.integers(0, len(raw) - 1))
             raw[i] = data.draw(st.integers(0, 255))
@@ -435,7 +362,7 @@ def test_a_failed_share_releases_those_already_made() -> None:
     released: list[int] = []
     made = iter(range(10))
 
-    def share(s: torch.UntypedStorage) -> ci._Share:
+    def share(s: torch.UntypedStorage) -> ci.Share:
         n = next(made)
         if n == 2:
             raise RuntimeError("Attempted to send CUDA tensor received from another process")
@@ -556,14 +483,15 @@ class FakeEvent:
 
 
 class FakeGPU:
-    """torch's CUDA IPC calls, simulated with CPU storages inside this process: a
-    share registers a storage under a handle; mapping the handle yields the same
-    memory, as another process would see it. Counts, per share, how often torch's
-    counter would be given back (by a mapped storage, or by a release)."""
+    """The backend's CUDA seam (:class:`CudaApi`), simulated with CPU storages inside
+    this process: a share registers a storage under a handle; mapping the handle
+    yields the same memory, as another process would see it. Counts, per share, how
+    often torch's counter would be given back (by a mapped storage, or by a release).
+    Passed to the backend as ``CudaIpcBackend(ctx, api=FakeGPU())``: no monkeypatching."""
 
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+    def __init__(self) -> None:
         self.storages: dict[bytes, torch.UntypedStorage] = {}
-        self.made: list[ci._Share] = []
+        self.made: list[ci.Share] = []
         self.given_back: collections.Counter[int] = collections.Counter()
         self.opened: collections.Counter[bytes] = collections.Counter()
         self.events: dict[bytes, FakeEvent] = {}
@@ -571,46 +499,51 @@ class FakeGPU:
         self.fail_open: set[bytes] = set()
         self.tensor_gpu = 0
         self.alive = True
-        m = monkeypatch
-        m.setattr(CudaIpcBackend, "availability", classmethod(lambda cls: Availability.ok()))
-        m.setattr(ci, "_cuda", SimpleNamespace(init=lambda: None))
-        m.setattr(torch.cuda, "current_device", lambda: 0)
-        m.setattr(
-            ci.hostinfo,
-            "local_devices",
-            lambda: (
-                DeviceInfo(kind="cpu"),
-                DeviceInfo(kind="cuda", index=0, uuid="GPU-A"),
-                DeviceInfo(kind="cuda", index=1, uuid="GPU-B"),
-            ),
-        )
-        m.setattr(ci.hostinfo, "pid_alive", lambda pid: self.alive)
-        m.setattr(ci, "_on_device", lambda index: contextlib.nullcontext())
-        m.setattr(ci, "_empty", lambda n, index: torch.zeros(max(n, 1), dtype=torch.uint8))
-        m.setattr(ci, "_sync_streams", lambda indices: None)
-        m.setattr(ci, "_gpu_index", lambda t: self.tensor_gpu)
-        m.setattr(ci, "_share_storage", self.share)
-        m.setattr(ci, "_open_share", self.open)
-        m.setattr(ci, "_release_share", self.release)
-        m.setattr(ci, "_new_ipc_event", self.new_event)
-        m.setattr(ci, "_open_event", self.open_event)
-        m.setattr(ci, "_record_after", lambda event, index, others=(): event.record())
-        m.setattr(ci, "_local_events", lambda devices: [])
-        self.peer_access: list[tuple[int, int]] = []
+        self.peer_access_asked: list[tuple[int, int]] = []
         self.no_peer_access = False
-        m.setattr(ci, "_peer_access", self.access)
 
-    def share(self, storage: torch.UntypedStorage, uuid_of: Any) -> ci._Share:
+    def availability(self) -> Availability:
+        return Availability.ok()
+
+    def init(self) -> None:
+        pass
+
+    def current_device(self) -> int:
+        return 0
+
+    def devices(self) -> tuple[DeviceInfo, ...]:
+        return (
+            DeviceInfo(kind="cpu"),
+            DeviceInfo(kind="cuda", index=0, uuid="GPU-A"),
+            DeviceInfo(kind="cuda", index=1, uuid="GPU-B"),
+        )
+
+    def process_alive(self, pid: int) -> bool:
+        return self.alive
+
+    def on_device(self, index: int) -> contextlib.AbstractContextManager[object]:
+        return contextlib.nullcontext()
+
+    def empty(self, nbytes: int, index: int) -> torch.Tensor:
+        return torch.zeros(max(nbytes, 1), dtype=torch.uint8)
+
+    def gpu_index(self, t: torch.Tensor) -> int | None:
+        return self.tensor_gpu
+
+    def sync_streams(self, indices: Any) -> None:
+        pass
+
+    def share(self, storage: torch.UntypedStorage, uuid_of: Any) -> ci.Share:
         if storage.data_ptr() in self.unshareable:
             raise RuntimeError("Attempted to send CUDA tensor received from another process")
         if storage.nbytes() == 0:
-            return ci._Share(device=uuid_of(0), handle=b"", nbytes=0, offset=0)
+            return ci.Share(device=uuid_of(0), handle=b"", nbytes=0, offset=0)
         s = _share(storage, len(self.made), uuid_of(0))
         self.made.append(s)
         self.storages[s.handle] = storage
         return s
 
-    def open(self, share: ci._Share, index: int) -> torch.UntypedStorage:
+    def open_share(self, share: ci.Share, index: int) -> torch.UntypedStorage:
         if share.handle in self.fail_open:
             raise RuntimeError("cudaIpcOpenMemHandle failed: invalid argument")
         if not share.handle:
@@ -619,7 +552,7 @@ class FakeGPU:
         self.given_back[share.counter_offset] += 1  # by the mapped storage, when it dies
         return self.storages[share.handle]
 
-    def release(self, share: ci._Share) -> None:
+    def release_share(self, share: ci.Share) -> None:
         self.given_back[share.counter_offset] += 1
 
     def new_event(self, index: int) -> tuple[FakeEvent, bytes]:
@@ -630,37 +563,55 @@ class FakeGPU:
     def open_event(self, index: int, handle: bytes) -> FakeEvent:
         return self.events[handle]
 
-    def access(self, a: int, b: int) -> bool:
-        self.peer_access.append((a, b))
+    def record_after(self, event: Any, index: int, others: Any = ()) -> None:
+        event.record()
+
+    def local_events(self, devices: Any) -> list[FakeEvent]:
+        return []
+
+    def peer_access(self, a: int, b: int) -> bool:
+        self.peer_access_asked.append((a, b))
         return not self.no_peer_access
+
+    def mem_get_info(self, index: int) -> tuple[int, int]:
+        return (0, 0)
+
+    def ipc_collect(self) -> None:
+        pass
 
     def balanced(self) -> bool:
         """Every share torch made was given back exactly once."""
         return all(self.given_back[s.counter_offset] == 1 for s in self.made)
 
 
+def test_the_fake_implements_the_whole_seam() -> None:
+    names = [n for n in dir(CudaApi) if not n.startswith("_")]
+    assert names and all(callable(getattr(FakeGPU, n, None)) for n in names)
+    assert all(callable(getattr(TorchCuda, n, None)) for n in names)
+
+
 async def settle(*backends: CudaIpcBackend) -> None:
     """Wait until the backends' clean-up threads ran what was queued so far."""
     for b in backends:
-        done = threading.Event()
-        b._reaper.submit(done.set)
-        await anyio.to_thread.run_sync(done.wait, 5.0)
+        assert await anyio.to_thread.run_sync(b.wait_for_clean_ups, 5.0)
 
 
 class Pair:
     """A sender and a receiver backend, connected as two processes of one host would be."""
 
-    def __init__(self, recv_device: int = 0, zero_copy: bool = False, **opts: Any) -> None:
+    def __init__(
+        self, fake: FakeGPU, recv_device: int = 0, zero_copy: bool = False, **opts: Any
+    ) -> None:
         base = {"pool_size": 1 << 20, "min_block": 4096, **opts}
-        self.a = CudaIpcBackend(BackendContext("a", 1, {**base, "device": 0}))
-        self.b = CudaIpcBackend(BackendContext("b", 2, {**base, "device": recv_device}))
+        self.a = CudaIpcBackend(BackendContext("a", 1, {**base, "device": 0}), api=fake)
+        self.b = CudaIpcBackend(BackendContext("b", 2, {**base, "device": recv_device}), api=fake)
         self.zero_copy = zero_copy
 
     async def __aenter__(self) -> Pair:
         await self.a.start()
         await self.b.start()
-        self.pa = PeerInfo("a", 1, PID, "h", "t", Locality.SAME_HOST, self.a.local_info())
-        self.pb = PeerInfo("b", 2, PID, "h", "t", Locality.SAME_HOST, self.b.local_info())
+        self.pa = PeerInfo("a", 1, PID, "h", "t", Locality.SAME_HOST, self.a.hello())
+        self.pb = PeerInfo("b", 2, PID, "h", "t", Locality.SAME_HOST, self.b.hello())
         await self.a.connect(self.pb)
         await self.b.connect(self.pa)
         return self
@@ -670,44 +621,43 @@ class Pair:
         await self.b.aclose()
 
     async def announce(self, ts: list[torch.Tensor]) -> tuple[Any, bytes, packing.PackPlan]:
-        """What the endpoint's _announce does with a ByteBackend."""
+        """What the endpoint's announce does with a ByteBackend."""
         layout = packing.plan(ts)
-        out = await self.a.export_tensors(self.pb, ts)
+        out: Export | None = await self.a.export_tensors(self.pb, ts, lent=False)
         if out is None:
-            out = await self.a.allocate(self.pb, layout.nbytes, "cuda:0")
+            out = await self.a.export(self.pb, layout.nbytes, "cuda:0")
             assert out.buffer is not None
             packing.pack_into(out.buffer, ts, layout)
-        info = self.a.describe(out)
         if out.layout == "packed":
-            await self.a.publish(out, 0, layout.nbytes)
-        return out, info, layout
+            await out.publish(0, layout.nbytes)
+        return out, out.ref, layout
 
     async def take(
         self, info: bytes, layout: packing.PackPlan, per_tensor: bool
     ) -> list[torch.Tensor]:
-        """What the endpoint's _fetch does (copy mode unless zero_copy)."""
+        """What the endpoint's fetch does (copy mode unless zero_copy)."""
         n = layout.nbytes
-        inb = await self.b.open(self.pa, info, n)
+        imp = await self.b.import_(self.pa, info, n)
         try:
             if per_tensor:
-                await self.b.fetch(inb, 0, n)
-                got = list(inb.tensors or [])
+                await imp.fetch(0, n)
+                got = list(imp.tensors or [])
                 if not self.zero_copy:
                     got = [t.clone() for t in got]
             else:
                 dest = None if self.zero_copy else torch.empty(n, dtype=torch.uint8)
-                await self.b.fetch(inb, 0, n, dest)
-                source = dest if dest is not None else inb.buffer
+                await imp.fetch(0, n, dest)
+                source = dest if dest is not None else imp.buffer
                 assert source is not None
                 got = packing.unpack(source, layout.metas, copy=not self.zero_copy)
         finally:
-            self.b.close(inb)
+            imp.close()
         return got
 
     async def round_trip(self, ts: list[torch.Tensor]) -> tuple[Any, list[torch.Tensor]]:
         out, info, layout = await self.announce(ts)
         got = await self.take(info, layout, out.layout == "per_tensor")
-        self.a.free(out)  # the ACK
+        out.release()  # the ACK
         return out, got
 
 
@@ -718,265 +668,217 @@ def _check_equal(expected: list[torch.Tensor], got: list[torch.Tensor]) -> None:
 
 
 class TestBackendOnAFakeGpu:
-    def test_same_gpu_maps_the_tensors_in_place(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        fake = FakeGPU(monkeypatch)
+    @pytest.mark.asyncio
+    async def test_same_gpu_maps_the_tensors_in_place(self) -> None:
+        fake = FakeGPU()
+        async with Pair(fake, recv_device=0, zero_copy=True) as p:
+            ts = _sample_tensors()
+            out, info, layout = await p.announce(ts)
+            assert out.layout == "per_tensor" and out.nbytes == layout.nbytes
+            got = await p.take(info, layout, per_tensor=True)
+            _check_equal(ts, got)
+            assert got[0].data_ptr() == ts[0].data_ptr()  # the same memory: no copy
+            assert p.a.stats().exports == 1  # held until the ACK
+            out.release()
+            out.release()  # idempotent
+            await settle(p.a, p.b)
+            stats = p.a.stats()
+            assert stats.idle and stats.detail["sent_in_place"] == 1
+            assert stats.detail["pool_bytes_in_use"] == 0 and p.b.stats().idle
+            assert len(fake.made) == 4  # five storages, one of them empty (no handle)
+        assert fake.balanced()
 
-        async def run() -> None:
-            async with Pair(recv_device=0, zero_copy=True) as p:
-                ts = _sample_tensors()
+    @pytest.mark.asyncio
+    async def test_another_gpu_goes_through_the_slot_pool(self) -> None:
+        fake = FakeGPU()
+        async with Pair(fake, recv_device=1) as p:
+            for i in range(3):
+                ts = [torch.randn(100, 3), torch.arange(i + 5)]
                 out, info, layout = await p.announce(ts)
-                assert out.layout == "per_tensor" and out.nbytes == layout.nbytes
-                got = await p.take(info, layout, per_tensor=True)
+                assert out.layout == "packed"
+                event = out.event
+                before = (event.recorded, event.syncs)
+                got = await p.take(info, layout, per_tensor=False)
+                assert event.recorded == before[0] and event.syncs == before[1] + 1
                 _check_equal(ts, got)
-                assert got[0].data_ptr() == ts[0].data_ptr()  # the same memory: no copy
-                assert p.a.stats()["leases"] == 1  # held until the ACK
-                p.a.free(out)
-                p.a.free(out)  # idempotent
-                await settle(p.a, p.b)
-                stats = p.a.stats()
-                assert stats["leases"] == 0 and stats["sent_in_place"] == 1
-                assert stats["pool_bytes_in_use"] == 0 and p.b.stats()["open"] == 0
-                assert len(fake.made) == 4  # five storages, one of them empty (no handle)
-            assert fake.balanced()
+                out.release()
+            d = p.a.stats().detail
+            assert d["sent_pooled"] == 3 and d["sent_in_place"] == 0
+            assert d["pool_bytes_in_use"] == 0 and p.a.stats().idle
+            assert d["events"] == 1  # one interprocess event, reused
+            assert p.b.stats().detail["mapped_buffers"] == 1
+            # the pool is shared once for this receiver, and mapped once by it
+            assert len(fake.made) == 1 and list(fake.opened.values()) == [1]
+        await settle(p.a, p.b)
+        assert fake.balanced()
 
-        anyio.run(run)
+    @pytest.mark.asyncio
+    async def test_zero_copy_slots_wait_for_the_receivers_release(self) -> None:
+        fake = FakeGPU()
+        async with Pair(fake, recv_device=1, zero_copy=True, pool_size=64 << 10) as p:
+            release = p.b._release_event
+            assert isinstance(release, FakeEvent)
+            ts = [torch.ones(32 << 10, dtype=torch.uint8)]  # half the pool
+            out, info, layout = await p.announce(ts)
+            got = await p.take(info, layout, per_tensor=False)
+            assert got[0].data_ptr() == out.buffer.data_ptr()  # a view of the slot
+            assert release.recorded == 1  # recorded when the views were released
+            release.done = False  # ... but the GPU work on them is still running
+            out.release()
+            assert p.a.stats().detail["pool_deferred"] == 1
+            out2, _, _ = await p.announce(ts)  # the other half: no waiting
+            assert p.a.stats().detail["pool_deferred"] == 1
+            assert out2.lease.offset != out.lease.offset
+            # the pool is full: the sender waits (off the loop) for the release
+            out3, _, _ = await p.announce(ts)
+            assert release.syncs == 1
+            assert out3.lease.offset == out.lease.offset and not out3.lease.dedicated
+            out2.release()
+            out3.release()
+            assert p.a.stats().detail["pool_bytes_in_use"] == 0
 
-    def test_another_gpu_goes_through_the_slot_pool(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        fake = FakeGPU(monkeypatch)
+    @pytest.mark.asyncio
+    async def test_copy_mode_receivers_never_hold_slots(self) -> None:
+        async with Pair(FakeGPU(), recv_device=1) as p:
+            await p.round_trip([torch.ones(100)])
+            assert isinstance(p.b._release_event, FakeEvent)
+            assert p.b._release_event.recorded == 0
+            assert p.a.stats().detail["pool_bytes_in_use"] == 0
 
-        async def run() -> None:
-            async with Pair(recv_device=1) as p:
-                for i in range(3):
-                    ts = [torch.randn(100, 3), torch.arange(i + 5)]
-                    out, info, layout = await p.announce(ts)
-                    assert out.layout == "packed"
-                    event = out.handle.event
-                    before = (event.recorded, event.syncs)
-                    got = await p.take(info, layout, per_tensor=False)
-                    assert event.recorded == before[0] and event.syncs == before[1] + 1
-                    _check_equal(ts, got)
-                    p.a.free(out)
-                stats = p.a.stats()
-                assert stats["sent_pooled"] == 3 and stats["sent_in_place"] == 0
-                assert stats["pool_bytes_in_use"] == 0 and stats["leases"] == 0
-                assert stats["events"] == 1  # one interprocess event, reused
-                assert p.b.stats()["mapped_buffers"] == 1
-                # the pool is shared once for this receiver, and mapped once by it
-                assert len(fake.made) == 1 and list(fake.opened.values()) == [1]
+    @pytest.mark.asyncio
+    async def test_too_big_for_the_pool_gets_a_dedicated_buffer(self) -> None:
+        fake = FakeGPU()
+        async with Pair(fake, recv_device=1) as p:
+            ts = [torch.randn(600_000)]  # 2.4 MB > the 1 MiB pool
+            out, got = await p.round_trip(ts)
+            _check_equal(ts, got)
+            assert out.lease.buffer is None  # dropped on the ACK
+            d = p.a.stats().detail
+            assert d["sent_dedicated"] == 1 and d["pool_dedicated"] == 0
+            assert p.b.stats().detail["mapped_buffers"] == 0  # mapped for that object only
+            await settle(p.a, p.b)
+        assert fake.balanced()
+
+    @pytest.mark.asyncio
+    async def test_a_timed_out_transfer_frees_its_slot_and_others_still_work(self) -> None:
+        async with Pair(FakeGPU(), recv_device=1, timeout=0.2) as p:
+            ts = [torch.arange(1000)]
+            out, info, layout = await p.announce(ts)
+            out.event.block = 1.0  # the sender's copy never "finishes" in time
+            out.event.done = False
+            with pytest.raises(BackendError, match=r"did not finish within 0\.2 s"):
+                await p.take(info, layout, per_tensor=False)
+            out.release()  # the NACK
+            assert p.a.stats().detail["pool_bytes_in_use"] == 0
+            assert p.b.stats().idle
+            out.event.block = 0.0
+            _, got = await p.round_trip(ts)
+            _check_equal(ts, got)
+
+    @pytest.mark.asyncio
+    async def test_a_failed_mapping_gives_back_the_rest(self) -> None:
+        fake = FakeGPU()
+        async with Pair(fake, recv_device=0) as p:
+            ts = [torch.ones(3), torch.zeros(5), torch.arange(7)]
+            out, info, layout = await p.announce(ts)
+            fake.fail_open.add(fake.made[1].handle)
+            with pytest.raises(BackendError, match="cudaIpcOpenMemHandle"):
+                await p.take(info, layout, per_tensor=True)
+            out.release()
+            await settle(p.a, p.b)
+            assert [fake.given_back[s.counter_offset] for s in fake.made] == [1, 1, 1]
+            assert p.b.stats().idle
+            fake.fail_open.clear()
+            _, got = await p.round_trip(ts)  # the backend still works
+            _check_equal(ts, got)
+            await settle(p.a, p.b)
+        assert fake.balanced()
+
+    @pytest.mark.asyncio
+    async def test_refused_objects_give_back_torchs_counters(self) -> None:
+        """A refused object is imported and closed unfetched (the backend is two-sided)."""
+        assert CudaIpcBackend.capabilities.two_sided
+        fake = FakeGPU()
+        async with Pair(fake, recv_device=0) as p:
+            ts = [torch.ones(3), torch.zeros(5)]
+            out, info, layout = await p.announce(ts)
+            (await p.b.import_(p.pa, info, layout.nbytes)).close()  # abort, full queue
+            out.release()
             await settle(p.a, p.b)
             assert fake.balanced()
+        fake = FakeGPU()
+        async with Pair(fake, recv_device=1) as p:
+            out, info, layout = await p.announce([torch.ones(3)])
+            (await p.b.import_(p.pa, info, layout.nbytes)).close()
+            out.release()
+            await p.b.disconnect(p.pa)
+            await settle(p.a, p.b)
+        assert fake.balanced()
 
-        anyio.run(run)
+    @pytest.mark.asyncio
+    async def test_a_storage_torch_cannot_share_goes_through_the_pool(self) -> None:
+        fake = FakeGPU()
+        async with Pair(fake, recv_device=0) as p:
+            ts = [torch.ones(3), torch.arange(5)]
+            fake.unshareable.add(ts[1].untyped_storage().data_ptr())
+            out, got = await p.round_trip(ts)
+            assert out.layout == "packed"
+            _check_equal(ts, got)
+            assert p.a.stats().detail["sent_pooled"] == 1
+            await settle(p.a, p.b)
+        assert fake.balanced()
 
-    def test_zero_copy_slots_wait_for_the_receivers_release(
-        self, monkeypatch: pytest.MonkeyPatch
-    ) -> None:
-        FakeGPU(monkeypatch)
-
-        async def run() -> None:
-            async with Pair(recv_device=1, zero_copy=True, pool_size=64 << 10) as p:
-                release = p.b._release_event
-                ts = [torch.ones(32 << 10, dtype=torch.uint8)]  # half the pool
-                out, info, layout = await p.announce(ts)
-                got = await p.take(info, layout, per_tensor=False)
-                assert got[0].data_ptr() == out.buffer.data_ptr()  # a view of the slot
-                assert release.recorded == 1  # recorded when the views were released
-                release.done = False  # ... but the GPU work on them is still running
-                p.a.free(out)
-                assert p.a.stats()["quarantined_slots"] == 1
-                out2, _, _ = await p.announce(ts)  # the other half: no waiting
-                assert p.a.stats()["quarantined_slots"] == 1
-                assert out2.handle.offset != out.handle.offset
-                # the pool is full: the sender waits (off the loop) for the release
-                out3, _, _ = await p.announce(ts)
-                assert release.syncs == 1
-                assert out3.handle.offset == out.handle.offset and out3.handle.dedicated is None
-                p.a.free(out2)
-                p.a.free(out3)
-                assert p.a.stats()["pool_bytes_in_use"] == 0
-
-        anyio.run(run)
-
-    def test_copy_mode_receivers_never_hold_slots(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        FakeGPU(monkeypatch)
-
-        async def run() -> None:
-            async with Pair(recv_device=1) as p:
-                await p.round_trip([torch.ones(100)])
-                assert p.b._release_event.recorded == 0
-                assert p.a.stats()["pool_bytes_in_use"] == 0
-
-        anyio.run(run)
-
-    def test_too_big_for_the_pool_gets_a_dedicated_buffer(
-        self, monkeypatch: pytest.MonkeyPatch
-    ) -> None:
-        fake = FakeGPU(monkeypatch)
-
-        async def run() -> None:
-            async with Pair(recv_device=1) as p:
-                ts = [torch.randn(600_000)]  # 2.4 MB > the 1 MiB pool
-                out, got = await p.round_trip(ts)
-                _check_equal(ts, got)
-                assert out.handle.dedicated is None  # dropped on the ACK
-                stats = p.a.stats()
-                assert stats["sent_dedicated"] == 1 and stats["dedicated_buffers"] == 0
-                assert p.b.stats()["mapped_buffers"] == 0  # mapped for that object only
-                await settle(p.a, p.b)
+    @pytest.mark.asyncio
+    async def test_the_counters_of_a_dead_receiver_are_given_back(self) -> None:
+        fake = FakeGPU()
+        async with Pair(fake, recv_device=0) as p:
+            out, _, _ = await p.announce([torch.ones(3)])
+            out.release()  # the peer was lost before mapping it
+            fake.alive = False
+            await p.a.disconnect(p.pb)
+            await settle(p.a)
             assert fake.balanced()
+            with pytest.raises(BackendError, match="did not announce"):
+                await p.a.export(p.pb, 10, "cuda:0")
 
-        anyio.run(run)
-
-    def test_a_timed_out_transfer_frees_its_slot_and_others_still_work(
-        self, monkeypatch: pytest.MonkeyPatch
-    ) -> None:
-        FakeGPU(monkeypatch)
-
-        async def run() -> None:
-            async with Pair(recv_device=1, timeout=0.2) as p:
-                ts = [torch.arange(1000)]
-                out, info, layout = await p.announce(ts)
-                out.handle.event.block = 1.0  # the sender's copy never "finishes" in time
-                out.handle.event.done = False
-                with pytest.raises(BackendError, match=r"did not finish within 0\.2 s"):
-                    await p.take(info, layout, per_tensor=False)
-                p.a.free(out)  # the NACK
-                assert p.a.stats()["pool_bytes_in_use"] == 0
-                assert p.b.stats()["open"] == 0
-                out.handle.event.block = 0.0
-                _, got = await p.round_trip(ts)
-                _check_equal(ts, got)
-
-        anyio.run(run)
-
-    def test_a_failed_mapping_gives_back_the_rest(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        fake = FakeGPU(monkeypatch)
-
-        async def run() -> None:
-            async with Pair(recv_device=0) as p:
-                ts = [torch.ones(3), torch.zeros(5), torch.arange(7)]
-                out, info, layout = await p.announce(ts)
-                fake.fail_open.add(fake.made[1].handle)
-                with pytest.raises(BackendError, match="cudaIpcOpenMemHandle"):
-                    await p.take(info, layout, per_tensor=True)
-                p.a.free(out)
-                await settle(p.a, p.b)
-                assert [fake.given_back[s.counter_offset] for s in fake.made] == [1, 1, 1]
-                assert p.b.stats()["open"] == 0
-                fake.fail_open.clear()
-                _, got = await p.round_trip(ts)  # the backend still works
-                _check_equal(ts, got)
-                await settle(p.a, p.b)
-            assert fake.balanced()
-
-        anyio.run(run)
-
-    def test_refused_objects_give_back_torchs_counters(
-        self, monkeypatch: pytest.MonkeyPatch
-    ) -> None:
-        fake = FakeGPU(monkeypatch)
-
-        async def run() -> None:
-            async with Pair(recv_device=0) as p:
-                ts = [torch.ones(3), torch.zeros(5)]
-                out, info, layout = await p.announce(ts)
-                p.b.drop(p.pa, info, layout.nbytes)  # refused unopened (abort, full queue)
-                p.a.free(out)
-                await settle(p.a, p.b)
-                assert fake.balanced()
-            async with Pair(recv_device=1) as p:
-                out, info, layout = await p.announce([torch.ones(3)])
-                p.b.drop(p.pa, info, layout.nbytes)  # the pool was never mapped ...
-                p.a.free(out)
-                await p.b.disconnect(p.pa)  # ... so its share is given back here
-                await settle(p.a, p.b)
-            assert fake.balanced()
-
-        anyio.run(run)
-
-    def test_a_storage_torch_cannot_share_goes_through_the_pool(
-        self, monkeypatch: pytest.MonkeyPatch
-    ) -> None:
-        fake = FakeGPU(monkeypatch)
-
-        async def run() -> None:
-            async with Pair(recv_device=0) as p:
-                ts = [torch.ones(3), torch.arange(5)]
-                fake.unshareable.add(ts[1].untyped_storage().data_ptr())
-                out, got = await p.round_trip(ts)
-                assert out.layout == "packed"
-                _check_equal(ts, got)
-                assert p.a.stats()["sent_pooled"] == 1
-                await settle(p.a, p.b)
-            assert fake.balanced()
-
-        anyio.run(run)
-
-    def test_the_counters_of_a_dead_receiver_are_given_back(
-        self, monkeypatch: pytest.MonkeyPatch
-    ) -> None:
-        fake = FakeGPU(monkeypatch)
-
-        async def run() -> None:
-            async with Pair(recv_device=0) as p:
-                out, _, _ = await p.announce([torch.ones(3)])
-                p.a.free(out)  # the peer was lost before mapping it
-                fake.alive = False
-                await p.a.disconnect(p.pb)
-                await settle(p.a)
-                assert fake.balanced()
-                with pytest.raises(BackendError, match="did not announce"):
-                    await p.a.allocate(p.pb, 10, "cuda:0")
-
-        anyio.run(run)
-
-    def test_gpus_without_peer_access_are_refused_at_connect(
-        self, monkeypatch: pytest.MonkeyPatch
-    ) -> None:
-        fake = FakeGPU(monkeypatch)
+    @pytest.mark.asyncio
+    async def test_gpus_without_peer_access_are_refused_at_connect(self) -> None:
+        fake = FakeGPU()
         fake.no_peer_access = True
+        p = Pair(fake, recv_device=1)
+        with pytest.raises(BackendError, match="cannot access each other"):
+            await p.__aenter__()
+        await p.__aexit__(None, None, None)
+        async with Pair(fake, recv_device=0):  # one GPU: nothing to ask
+            pass
+        assert fake.peer_access_asked == [(0, 1)]
 
-        async def run() -> None:
-            p = Pair(recv_device=1)
-            with pytest.raises(BackendError, match="cannot access each other"):
-                await p.__aenter__()
-            await p.__aexit__(None, None, None)
-            async with Pair(recv_device=0):  # one GPU: nothing to ask
-                pass
-
-        anyio.run(run)
-        assert fake.peer_access == [(0, 1)]
-
-    def test_refuses_foreign_and_unknown_things(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        FakeGPU(monkeypatch)
-
-        async def run() -> None:
-            async with Pair(recv_device=0) as p:
-                ts = [torch.ones(3)]
-                out, info, layout = await p.announce(ts)
-                ref = decode_ref(info, p.pa, layout.nbytes)
-                assert isinstance(ref, ci._TensorsRef)
-                odd = ci._TensorsRef(
-                    shares=[msgspec.structs.replace(ref.shares[0], device="GPU-Z")],
-                    tensors=ref.tensors,
-                )
-                with pytest.raises(BackendError, match="not visible"):
-                    await p.b.open(p.pa, ci._encoder.encode(odd), layout.nbytes)
-                stranger = PeerInfo("c", 9, PID, "h", "t", Locality.SAME_HOST, b"")
-                with pytest.raises(BackendError, match="did not announce"):
-                    await p.b.open(stranger, info, layout.nbytes)
-                far = PeerInfo("d", 3, PID, "h", "t", Locality.CROSS_HOST, p.a.local_info())
-                await p.b.connect(far)
-                with pytest.raises(BackendError, match="this host only"):
-                    await p.b.open(far, info, layout.nbytes)
-                p.a.free(out)
-                await p.a.aclose()
-                with pytest.raises(BackendClosedError):
-                    await p.a.allocate(p.pb, 10, "cuda:0")
-                with pytest.raises(BackendClosedError):
-                    await p.a.export_tensors(p.pb, ts)
-
-        anyio.run(run)
+    @pytest.mark.asyncio
+    async def test_refuses_foreign_and_unknown_things(self) -> None:
+        async with Pair(FakeGPU(), recv_device=0) as p:
+            ts = [torch.ones(3)]
+            out, info, layout = await p.announce(ts)
+            ref = decode_ref(info, p.pa, layout.nbytes)
+            assert isinstance(ref, ci.TensorsRef)
+            odd = ci.TensorsRef(
+                shares=[msgspec.structs.replace(ref.shares[0], device="GPU-Z")],
+                tensors=ref.tensors,
+            )
+            with pytest.raises(BackendError, match="not visible"):
+                await p.b.import_(p.pa, ci.encode(odd), layout.nbytes)
+            stranger = PeerInfo("c", 9, PID, "h", "t", Locality.SAME_HOST, b"")
+            with pytest.raises(BackendError, match="did not announce"):
+                await p.b.import_(stranger, info, layout.nbytes)
+            far = PeerInfo("d", 3, PID, "h", "t", Locality.CROSS_HOST, p.a.hello())
+            await p.b.connect(far)
+            with pytest.raises(BackendError, match="this host only"):
+                await p.b.import_(far, info, layout.nbytes)
+            out.release()
+            await p.a.aclose()
+            with pytest.raises(BackendClosedError):
+                await p.a.export(p.pb, 10, "cuda:0")
+            with pytest.raises(BackendClosedError):
+                await p.a.export_tensors(p.pb, ts, lent=True)
 
 
 # ----------------------------------------------------------------------- scripts/gpu_check.sh

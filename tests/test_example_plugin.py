@@ -134,7 +134,8 @@ def test_preference_order_policy_routes_the_edge_over_it(edge: _Edge) -> None:
 
 
 def test_default_policy_prefers_shm_and_says_why(edge: _Edge) -> None:
-    route = edge.portal.call(edge.default.route, edge.peer, {"t": torch.ones(1000)})
+    payload = {"t": torch.ones(1 << 14)}  # 64 KiB: too large to travel inline
+    route = edge.portal.call(edge.default.route, edge.peer, payload)
     assert route.backend == "shm", route.explain()
     ours = plugin_class().capabilities.preference
     shm = registry.load_backend("shm").capabilities.preference
@@ -189,33 +190,33 @@ def test_unknown_objects_are_backend_errors_not_crashes() -> None:
         await a.start()
         await b.start()
         try:
-            to_a = PeerInfo("a", 1, os.getpid(), "h", "t", Locality.SAME_HOST, a.local_info())
-            to_b = PeerInfo("b", 2, os.getpid(), "h", "t", Locality.SAME_HOST, b.local_info())
+            to_a = PeerInfo("a", 1, os.getpid(), "h", "t", Locality.SAME_HOST, a.hello())
+            to_b = PeerInfo("b", 2, os.getpid(), "h", "t", Locality.SAME_HOST, b.hello())
             await a.connect(to_b)
             await b.connect(to_a)
-            out = await a.allocate(to_b, 64, "cpu")
+            out = await a.export(to_b, 64, "cpu")
             assert out.buffer is not None
             out.buffer.fill_(7)
-            await a.publish(out, 0, 64)
-            inb = await b.open(to_a, a.describe(out), 64)
+            await out.publish(0, 64)
+            imp = await b.import_(to_a, out.ref, 64)
             dest = torch.zeros(64, dtype=torch.uint8)
-            await b.fetch(inb, 0, 32, dest)
-            a.free(out)  # released by the sender: the reference now names nothing
+            await imp.fetch(0, 32, dest)
+            out.release()  # released by the sender: the reference now names nothing
             with pytest.raises(BackendError, match="unknown"):
-                await b.fetch(inb, 32, 64, dest)
-            b.close(inb)
+                await imp.fetch(32, 64, dest)
+            imp.close()
             # the sender is still serving, over the same connection
-            again = await a.allocate(to_b, 16, "cpu")
+            again = await a.export(to_b, 16, "cpu")
             assert again.buffer is not None
             again.buffer.fill_(9)
-            await a.publish(again, 0, 16)
-            inb = await b.open(to_a, a.describe(again), 16)
-            await b.fetch(inb, 0, 16, dest)
+            await again.publish(0, 16)
+            imp = await b.import_(to_a, again.ref, 16)
+            await imp.fetch(0, 16, dest)
             assert torch.equal(dest[:16], torch.full((16,), 9, dtype=torch.uint8))
             assert torch.equal(dest[16:32], torch.full((16,), 7, dtype=torch.uint8))
-            b.close(inb)
-            a.free(again)
-            assert a.stats()["leases"] == b.stats()["open"] == 0
+            imp.close()
+            again.release()
+            assert a.stats().idle and b.stats().idle
         finally:
             await b.aclose()
             await a.aclose()

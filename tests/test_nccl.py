@@ -19,11 +19,12 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import anyio
+import msgspec
 import pytest
 import torch
 import torch.distributed
 
-from omniwire import Endpoint
+from omniwire import Endpoint, packing
 from omniwire.backends.base import BackendContext, Locality, PeerInfo
 from omniwire.errors import BackendError, OmniwireError, RequestAbortedError
 from omniwire.testing import BackendConformance, PeerProcess, require_backend
@@ -78,7 +79,7 @@ async def _bare_pair(cls: type[Any], options: dict[str, Any]) -> AsyncIterator[t
             "h",
             "t",
             Locality.SAME_HOST,
-            x.local_info(),
+            x.hello(),
         )
 
     pb, pa = peer_of(b), peer_of(a)
@@ -92,11 +93,11 @@ async def _bare_pair(cls: type[Any], options: dict[str, Any]) -> AsyncIterator[t
 
 
 async def _publish(a: Any, peer: PeerInfo, seed: int, n: int) -> tuple[Any, bytes, torch.Tensor]:
-    out = await a.allocate(peer, n, "cpu")
+    out = await a.export(peer, n, "cpu")
     data = _pattern(seed, n)
     out.buffer.copy_(data)
-    info = a.describe(out)
-    await a.publish(out, 0, n)
+    info = out.ref
+    await out.publish(0, n)
     return out, info, data
 
 
@@ -107,11 +108,11 @@ async def _settle(a: Any, b: Any, sends: int, consumed: int) -> None:
     def settled() -> bool:
         sa, sb = a.stats(), b.stats()
         return (
-            sa["sends_completed"] >= sends
-            and sb["objects_consumed"] >= consumed
-            and sb["bytes_received"] == sa["bytes_sent"]
-            and not sa["leases"]
-            and not sb["open"]
+            sa.detail["sends_completed"] >= sends
+            and sb.detail["objects_consumed"] >= consumed
+            and sb.detail["bytes_received"] == sa.detail["bytes_sent"]
+            and sa.idle
+            and sb.idle
         )
 
     with anyio.move_on_after(30):
@@ -124,27 +125,28 @@ async def _settle(a: Any, b: Any, sends: int, consumed: int) -> None:
 def test_refused_and_unfetched_objects_do_not_stall_later_ones(
     nccl_class: type[Any], options: dict[str, Any]
 ) -> None:
-    """Published 0..4; the receiver drops 2 before opening 0 (as an abort does), closes 1
-    unfetched, then fetches 0, 3 and 4: each intact, and every send completes."""
+    """Published 0..4; the receiver refuses 2 before importing 0 (as an abort does: an
+    import closed at once), closes 1 unfetched, then fetches 0, 3 and 4: each intact,
+    and every send completes."""
 
     async def run() -> None:
         async with _bare_pair(nccl_class, options) as (a, b, pb, pa):
             sizes = [1000, 3 << 20, 5000, 70_000, 2 << 20]
             sent = [await _publish(a, pb, i, n) for i, n in enumerate(sizes)]
-            b.drop(pa, sent[2][1], sizes[2])
+            (await b.import_(pa, sent[2][1], sizes[2])).close()
             got = {}
             for i in (0, 1, 3, 4):
-                inb = await b.open(pa, sent[i][1], sizes[i])
+                imp = await b.import_(pa, sent[i][1], sizes[i])
                 if i != 1:
                     dest = torch.empty(sizes[i], dtype=torch.uint8)
                     with anyio.fail_after(30):
-                        await b.fetch(inb, 0, sizes[i], dest)
+                        await imp.fetch(0, sizes[i], dest)
                     got[i] = dest
-                b.close(inb)
+                imp.close()
             for i, dest in got.items():
                 assert torch.equal(dest, sent[i][2]), f"object {i} arrived corrupted"
             for out, _, _ in sent:
-                a.free(out)
+                out.release()
             await _settle(a, b, sends=5, consumed=2)
             assert not torch.distributed.is_initialized()
 
@@ -155,17 +157,17 @@ def test_zero_copy_fetch_and_partial_ranges(nccl_class: type[Any]) -> None:
     async def run() -> None:
         async with _bare_pair(nccl_class, {}) as (a, b, pb, pa):
             out, info, data = await _publish(a, pb, 7, 1 << 20)
-            inb = await b.open(pa, info, 1 << 20)
+            imp = await b.import_(pa, info, 1 << 20)
             with anyio.fail_after(30):
-                await b.fetch(inb, 0, 1 << 20)  # no dest: into inb.buffer
-            assert torch.equal(inb.buffer, data)
+                await imp.fetch(0, 1 << 20)  # no dest: into imp.buffer
+            assert torch.equal(imp.buffer, data)
             dest = torch.zeros(1 << 20, dtype=torch.uint8)
-            await b.fetch(inb, 100, 5000, dest)  # later ranges come from the same bytes
+            await imp.fetch(100, 5000, dest)  # later ranges come from the same bytes
             assert torch.equal(dest[100:5000], data[100:5000])
-            b.close(inb)
-            b.close(inb)  # idempotent
-            a.free(out)
-            a.free(out)
+            imp.close()
+            imp.close()  # idempotent
+            out.release()
+            out.release()
             await _settle(a, b, sends=1, consumed=0)
 
     anyio.run(run)
@@ -177,19 +179,19 @@ def test_disconnect_fails_pending_fetch_and_reconnect_builds_a_new_group(
     async def run() -> None:
         async with _bare_pair(nccl_class, {}) as (a, b, pb, pa):
             out, info, _ = await _publish(a, pb, 1, 4096)
-            inb = await b.open(pa, info, 4096)
+            imp = await b.import_(pa, info, 4096)
             dest = torch.empty(4096, dtype=torch.uint8)
-            await b.fetch(inb, 0, 4096, dest)
-            b.close(inb)
-            a.free(out)
+            await imp.fetch(0, 4096, dest)
+            imp.close()
+            out.release()
             # An object the sender never publishes: its fetch waits — until the peer is lost.
-            lost = await a.allocate(pb, 512, "cpu")
-            inb = await b.open(pa, a.describe(lost), 512)
+            lost = await a.export(pb, 512, "cpu")
+            imp = await b.import_(pa, lost.ref, 512)
             failure: list[BaseException] = []
 
             async def fetch() -> None:
                 try:
-                    await b.fetch(inb, 0, 512, torch.empty(512, dtype=torch.uint8))
+                    await imp.fetch(0, 512, torch.empty(512, dtype=torch.uint8))
                 except BackendError as exc:
                     failure.append(exc)
 
@@ -199,23 +201,23 @@ def test_disconnect_fails_pending_fetch_and_reconnect_builds_a_new_group(
                     await anyio.sleep(0.2)
                     await b.disconnect(pa)
             assert failure, "the pending fetch did not fail when the peer was lost"
-            b.close(inb)
-            a.free(lost)
+            imp.close()
+            lost.release()
             await a.disconnect(pb)
             with pytest.raises(BackendError):
-                await a.allocate(pb, 8, "cpu")
+                await a.export(pb, 8, "cpu")
             # Both sides meet again: a fresh generation of the group carries data.
             await a.connect(pb)
             await b.connect(pa)
             out, info, data = await _publish(a, pb, 2, 3 << 20)
-            inb = await b.open(pa, info, 3 << 20)
+            imp = await b.import_(pa, info, 3 << 20)
             dest = torch.empty(3 << 20, dtype=torch.uint8)
             with anyio.fail_after(30):
-                await b.fetch(inb, 0, 3 << 20, dest)
+                await imp.fetch(0, 3 << 20, dest)
             assert torch.equal(dest, data)
-            assert a.stats()["links_built"] >= 2
-            b.close(inb)
-            a.free(out)
+            assert a.stats().detail["links_built"] >= 2
+            imp.close()
+            out.release()
 
     anyio.run(run)
 
@@ -235,12 +237,60 @@ def test_malformed_hello_info_is_a_backend_error(nccl_class: type[Any]) -> None:
     anyio.run(run)
 
 
-def test_raw_bench_measures_two_processes(nccl_class: type[Any]) -> None:
-    from omniwire.backends.nccl import raw_bench
+@pytest.mark.parametrize("dest", [True, False], ids=["copy", "zero-copy"])
+def test_lent_tensors_are_sent_as_they_are(nccl_class: type[Any], dest: bool) -> None:
+    """One gloo message per tensor, received into place; refused ones still consumed."""
+    ts = [torch.randn(50_000), torch.empty(0), torch.arange(99, dtype=torch.int16)]
+    layout = packing.plan(ts)
 
-    result = raw_bench([1 << 16, 1 << 20], 2)
-    assert set(result) == {1 << 16, 1 << 20}
-    assert all(v > 0 for v in result.values())
+    async def run() -> None:
+        async with _bare_pair(nccl_class, {}) as (a, b, pb, pa):
+            assert await a.export_tensors(pb, ts, lent=False) is None
+            refused = await a.export_tensors(pb, ts, lent=True)
+            out = await a.export_tensors(pb, ts, lent=True)
+            assert refused is not None and out is not None and out.buffer is None
+            assert msgspec.msgpack.decode(out.ref)["pieces"] == [
+                [m.offset, m.nbytes] for m in layout.metas if m.nbytes
+            ]
+            for x in (refused, out):
+                await x.publish(0, x.nbytes)
+            (await b.import_(pa, refused.ref, layout.nbytes)).close()  # consumed
+            imp = await b.import_(pa, out.ref, layout.nbytes)
+            target = torch.zeros(layout.nbytes, dtype=torch.uint8) if dest else None
+            with anyio.fail_after(30):
+                await imp.fetch(0, layout.nbytes, target)
+            got = packing.unpack(
+                target if target is not None else imp.buffer, layout.metas, copy=True
+            )
+            assert all(torch.equal(x, y) for x, y in zip(ts, got, strict=True))
+            imp.close()
+            refused.release()
+            out.release()
+            await _settle(a, b, sends=2, consumed=1)
+            assert a.stats().detail["lent"] == 2
+
+    anyio.run(run)
+
+
+@pytest.mark.parametrize(
+    ("ref", "why"),
+    [
+        ({"pieces": [[0, 0]]}, "empty"),
+        ({"pieces": [[0, 60], [50, 10]]}, "overlaps"),
+        ({"pieces": [[0, 60], [60, 10]]}, "outside"),
+        ({"pieces": [[0, 64]], "ordered": True}, "ordered"),
+        ({"tag": 2**31 - 2, "pieces": [[0, 32], [32, 32]]}, "tag"),
+    ],
+    ids=["empty-piece", "overlap", "past-end", "ordered", "tag-overflow"],
+)
+def test_bad_pieces_are_refused(nccl_class: type[Any], ref: dict[str, Any], why: str) -> None:
+    async def run() -> None:
+        async with _bare_pair(nccl_class, {}) as (_a, b, _pb, pa):
+            fields = {"gen": 0, "tag": 5, "nbytes": 64, "device": "cpu", "ordered": False, **ref}
+            with pytest.raises(BackendError, match=why):
+                await b.import_(pa, msgspec.msgpack.encode(fields), 64)
+
+    anyio.run(run)
 
 
 # -- endpoints --------------------------------------------------------------------------
@@ -335,10 +385,10 @@ def test_zero_copy_endpoint(nccl_class: type[Any]) -> None:
                 d = await b.receive()
                 assert torch.equal(d.payload["x"], value["x"])
                 assert torch.equal(d.payload["y"], value["y"])
-                assert b.backend("nccl").stats()["open"] == 1  # until released
+                assert b.backend("nccl").stats().imports == 1  # until released
                 d.release()
                 await receipt.wait(30)
-            assert b.backend("nccl").stats()["open"] == 0
+            assert b.backend("nccl").stats().imports == 0
 
     anyio.run(run)
 
@@ -437,7 +487,7 @@ def test_restarted_peer_gets_a_new_process_group(nccl_class: type[Any]) -> None:
                 procs[0].kill()  # a crash: its process group dies with it
                 procs.append(PeerProcess(other, address, *args))
                 await round_trip(ep, "after", 2)
-            assert ep.backend("nccl").stats()["links_built"] >= 2
+            assert ep.backend("nccl").stats().detail["links_built"] >= 2
 
     procs = [PeerProcess(other, address, *args)]
     try:

@@ -15,8 +15,11 @@ import pytest
 import torch
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 
-from omniwire.backends import nixl as nixl_mod
-from omniwire.backends.base import BackendContext, InboundBuffer, Locality, PeerInfo
+from omniwire import packing
+from omniwire.backends.base import BackendContext, Export, Locality, PeerInfo
+from omniwire.backends.nixl import NixlAgent
+from omniwire.backends.nixl import _blobs as blobs
+from omniwire.backends.nixl import _engine as engine_mod
 from omniwire.errors import BackendClosedError, BackendError
 from omniwire.testing import BackendConformance, require_backend
 
@@ -61,18 +64,17 @@ def test_objects_larger_than_the_pool_round_trip_between_processes(small_pool: A
         assert d.payload["i"] == i
         assert torch.equal(d.payload["t"], t)
 
-    async def settled() -> dict[str, int]:
+    async def settled() -> Any:
         with anyio.fail_after(30):
             await small_pool.ep.drain()
             while any(a or b for a, b in small_pool.ep.in_flight().values()):
                 await anyio.sleep(0.05)
-        stats: dict[str, int] = small_pool.ep.backend("nixl").stats()
-        return stats
+        return small_pool.ep.backend("nixl").stats()
 
     stats = small_pool.call(settled)
-    assert stats["leases"] == 0 and stats["open"] == 0, stats
-    assert stats["dedicated"] == 0, stats
-    assert stats["pool_bytes_in_use"] == 0, stats
+    assert stats.idle, stats
+    assert stats.detail["pool_dedicated"] == 0, stats
+    assert stats.detail["pool_bytes_in_use"] == 0, stats
 
 
 # -- bare backend instances --------------------------------------------------------------
@@ -102,7 +104,7 @@ def _peer_info(backend: Any, info: bytes | None = None) -> PeerInfo:
         "h",
         "t",
         Locality.SAME_HOST,
-        backend.local_info() if info is None else info,
+        backend.hello() if info is None else info,
     )
 
 
@@ -133,36 +135,37 @@ def _pattern(n: int, seed: int) -> torch.Tensor:
     return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)
 
 
-async def _send(pair: _Pair, data: torch.Tensor) -> Any:
-    out = await pair.a.allocate(pair.peer_b, data.numel(), "cpu")
+async def _send(pair: _Pair, data: torch.Tensor) -> Export:
+    out = await pair.a.export(pair.peer_b, data.numel(), "cpu")
+    assert out.buffer is not None
     out.buffer.copy_(data)
-    await pair.a.publish(out, 0, data.numel())
+    await out.publish(0, data.numel())
     return out
 
 
 async def _receive(
     pair: _Pair, info: bytes, n: int, *, copy: bool, chunk: int | None = None
 ) -> torch.Tensor:
-    inb: InboundBuffer = await pair.b.open(pair.peer_a, info, n)
+    imp = await pair.b.import_(pair.peer_a, info, n)
     try:
         dest = torch.empty(n, dtype=torch.uint8) if copy else None
         step = chunk or max(n, 1)
         for lo in range(0, n, step):
-            await pair.b.fetch(inb, lo, min(n, lo + step), dest)
+            await imp.fetch(lo, min(n, lo + step), dest)
         if dest is not None:
             return dest
-        assert inb.buffer is not None
-        return inb.buffer.clone()
+        assert imp.buffer is not None
+        return imp.buffer.clone()
     finally:
-        pair.b.close(inb)
+        imp.close()
 
 
 def _ref(**fields: Any) -> bytes:
-    return msgspec.msgpack.encode(nixl_mod._Ref(**fields))
+    return msgspec.msgpack.encode(blobs.PiecesRef(**fields))
 
 
 def test_pool_slots_are_reused_and_bytes_arrive(pair: _Pair) -> None:
-    async def run() -> tuple[list[bytes], dict[str, int], dict[str, int]]:
+    async def run() -> tuple[list[bytes], Any, Any]:
         infos = []
         # small (read into an own slot, then copied) and large (dest registered) objects,
         # zero-copy and copy mode, whole and in ranges
@@ -171,45 +174,46 @@ def test_pool_slots_are_reused_and_bytes_arrive(pair: _Pair) -> None:
         for seed, (n, copy, chunk) in enumerate(cases * 2):
             data = _pattern(n, seed)
             out = await _send(pair, data)
-            info = pair.a.describe(out)
+            info = out.ref
             infos.append(info)
             got = await _receive(pair, info, n, copy=copy, chunk=chunk)
-            pair.a.free(out)
-            pair.a.free(out)  # idempotent
+            out.release()
+            out.release()  # idempotent
             assert torch.equal(got, data), (n, copy, chunk)
         return infos, pair.a.stats(), pair.b.stats()
 
     infos, stats_a, stats_b = pair.call(run)
-    refs = [msgspec.msgpack.decode(i, type=nixl_mod._Ref) for i in infos]
+    refs = [msgspec.msgpack.decode(i, type=blobs.Ref) for i in infos]
     assert all(r.pool == 0 and r.region is None for r in refs)  # no dedicated buffer
     half = len(refs) // 2
     assert [r.offset for r in refs[:half]] == [r.offset for r in refs[half:]]  # slots reused
-    assert stats_a["leases"] == 0 and stats_a["pool_bytes_in_use"] == 0, stats_a
-    assert stats_b["open"] == 0 and stats_b["pool_bytes_in_use"] == 0, stats_b
-    assert stats_a["dedicated"] == 0 and stats_b["dedicated"] == 0
-    assert stats_b["dest_registrations"] >= 2, stats_b  # large copy-mode objects
+    assert stats_a.idle and stats_a.detail["pool_bytes_in_use"] == 0, stats_a
+    assert stats_b.idle and stats_b.detail["pool_bytes_in_use"] == 0, stats_b
+    assert stats_a.detail["pool_dedicated_created"] == 0
+    assert stats_b.detail["pool_dedicated_created"] == 0
+    assert stats_b.detail["dest_registrations"] >= 2, stats_b  # large copy-mode objects
 
 
 def test_objects_beyond_the_pool_use_dedicated_registrations(pair: _Pair) -> None:
-    async def run() -> list[tuple[int, dict[str, int]]]:
+    async def run() -> list[tuple[int, Any]]:
         seen = []
         for seed, n in enumerate([6 << 20, 6 << 20, 5 << 20, 9 << 20]):
             data = _pattern(n, 100 + seed)
             out = await _send(pair, data)
-            ref = msgspec.msgpack.decode(pair.a.describe(out), type=nixl_mod._Ref)
+            ref = msgspec.msgpack.decode(out.ref, type=blobs.Ref)
             assert ref.pool == -1 and ref.region is not None and ref.metadata
-            held = pair.a.stats()["dedicated"]
+            held = pair.a.stats().detail["pool_dedicated"]
             for copy in (True, False):
-                got = await _receive(pair, pair.a.describe(out), n, copy=copy, chunk=2 << 20)
+                got = await _receive(pair, out.ref, n, copy=copy, chunk=2 << 20)
                 assert torch.equal(got, data), (n, copy)
-            pair.a.free(out)
+            out.release()
             seen.append((held, pair.a.stats()))
         return seen
 
     for held, after in pair.call(run):
         assert held == 1
-        assert after["dedicated"] == 0 and after["leases"] == 0, after
-    assert pair.b.stats()["open"] == 0
+        assert after.detail["pool_dedicated"] == 0 and after.idle, after
+    assert pair.b.stats().idle
 
 
 @pytest.mark.parametrize(
@@ -220,66 +224,109 @@ def test_objects_beyond_the_pool_use_dedicated_registrations(pair: _Pair) -> Non
         ({"pool": 3, "offset": 0, "length": 64}, "pool 3"),
         ({"pool": 0, "offset": 0, "length": 65}, "length"),
         ({"pool": -1, "offset": 0, "length": 64}, "no region"),
+        ({"pool": -2, "offset": 0, "length": 64}, "mixes"),
+        ({"pool": -3, "offset": 0, "length": 64}, "malformed"),
+        (
+            {
+                "pool": -2,
+                "offset": 0,
+                "length": 64,
+                "lent": [blobs.Lent(blobs.Region(1 << 40, 64), b"")],
+                "pieces": [blobs.Piece(0, 1 << 40, 64, 1)],
+            },
+            "names region 1",
+        ),
+        (
+            {
+                "pool": -2,
+                "offset": 0,
+                "length": 64,
+                "lent": [blobs.Lent(blobs.Region(1 << 40, 64), b"")],
+                "pieces": [blobs.Piece(0, (1 << 40) + 8, 64, 0)],
+            },
+            "outside its region",
+        ),
+        (
+            {
+                "pool": -2,
+                "offset": 0,
+                "length": 64,
+                "lent": [blobs.Lent(blobs.Region(1 << 40, 64), b"")],
+                "pieces": [blobs.Piece(0, 1 << 40, 40, 0), blobs.Piece(32, 1 << 40, 8, 0)],
+            },
+            "overlaps",
+        ),
     ],
-    ids=["straddles-end", "far-outside", "unknown-pool", "wrong-length", "no-region"],
+    ids=[
+        "straddles-end",
+        "far-outside",
+        "unknown-pool",
+        "wrong-length",
+        "no-region",
+        "no-pieces",
+        "unknown-form",
+        "piece-names-no-region",
+        "piece-outside-region",
+        "overlapping-pieces",
+    ],
 )
 def test_references_outside_the_peers_memory_are_backend_errors(
     pair: _Pair, fields: dict[str, Any], why: str
 ) -> None:
     async def run() -> None:
         with pytest.raises(BackendError, match=why):
-            await pair.b.open(pair.peer_a, _ref(**fields), 64)
+            await pair.b.import_(pair.peer_a, _ref(**fields), 64)
 
     pair.call(run)
-    assert pair.b.stats()["open"] == 0
+    assert pair.b.stats().idle
 
 
 def test_dedicated_references_are_checked(pair: _Pair) -> None:
     async def run() -> None:
         out = await _send(pair, _pattern(6 << 20, 7))  # a dedicated registration of a
         try:
-            ref = msgspec.msgpack.decode(pair.a.describe(out), type=nixl_mod._Ref)
+            ref = msgspec.msgpack.decode(out.ref, type=blobs.Ref)
             assert ref.region is not None
             # metadata of another agent (b's own) for a's region: refused before loading
-            b_hello = msgspec.msgpack.decode(pair.b.local_info(), type=nixl_mod._HelloInfo)
+            b_hello = msgspec.msgpack.decode(pair.b.hello(), type=blobs.HelloInfo)
             forged = _ref(
                 pool=-1, offset=0, length=64, region=ref.region, metadata=b_hello.metadata
             )
             with pytest.raises(BackendError, match="names agent"):
-                await pair.b.open(pair.peer_a, forged, 64)
+                await pair.b.import_(pair.peer_a, forged, 64)
             # a's genuine metadata, but a region a never registered: NIXL refuses the read
-            elsewhere = nixl_mod._Region(16 * 4096, 4096)  # never mapped in any process
+            elsewhere = blobs.Region(16 * 4096, 4096)  # never mapped in any process
             bogus = _ref(pool=-1, offset=0, length=64, region=elsewhere, metadata=ref.metadata)
-            inb = await pair.b.open(pair.peer_a, bogus, 64)
+            imp = await pair.b.import_(pair.peer_a, bogus, 64)
             try:
                 with pytest.raises(BackendError, match="READ"):
-                    await pair.b.fetch(inb, 0, 64, torch.empty(64, dtype=torch.uint8))
+                    await imp.fetch(0, 64, torch.empty(64, dtype=torch.uint8))
             finally:
-                pair.b.close(inb)
+                imp.close()
             # a region inside a's pool, described as dedicated: refused
-            pool = msgspec.msgpack.decode(pair.a.local_info(), type=nixl_mod._HelloInfo).pools[0]
+            pool = msgspec.msgpack.decode(pair.a.hello(), type=blobs.HelloInfo).pools[0]
             inside = _ref(pool=-1, offset=0, length=64, region=pool, metadata=ref.metadata)
             with pytest.raises(BackendError, match="inside its own pool"):
-                await pair.b.open(pair.peer_a, inside, 64)
+                await pair.b.import_(pair.peer_a, inside, 64)
         finally:
-            pair.a.free(out)
+            out.release()
 
     pair.call(run)
-    assert pair.b.stats()["open"] == 0
+    assert pair.b.stats().idle
 
 
 def test_hello_naming_another_agent_is_refused(pair: _Pair) -> None:
     async def run() -> None:
-        a_hello = msgspec.msgpack.decode(pair.a.local_info(), type=nixl_mod._HelloInfo)
-        impostor = nixl_mod._HelloInfo("someone-else", a_hello.metadata, a_hello.pools)
+        a_hello = msgspec.msgpack.decode(pair.a.hello(), type=blobs.HelloInfo)
+        impostor = blobs.HelloInfo("someone-else", a_hello.metadata, a_hello.pools)
         peer = PeerInfo("mallory", 7, os.getpid(), "h", "t", Locality.CROSS_HOST, b"")
-        for info in (msgspec.msgpack.encode(impostor), pair.a.local_info(), b"\x00junk"):
+        for info in (msgspec.msgpack.encode(impostor), pair.a.hello(), b"\x00junk"):
             # the metadata names another agent / the agent already belongs to alpha / junk
             with pytest.raises(BackendError):
                 await pair.b.connect(dataclasses.replace(peer, info=info))
 
     pair.call(run)
-    assert pair.b.stats()["remotes"] == 1
+    assert pair.b.stats().detail["remotes"] == 1
 
 
 def test_disconnect_forgets_the_peer() -> None:
@@ -293,54 +340,156 @@ def test_disconnect_forgets_the_peer() -> None:
         try:
             peer_a = _peer_info(a)
             await b.connect(peer_a)
-            out = await a.allocate(_peer_info(b), 100, "cpu")
+            out = await a.export(_peer_info(b), 100, "cpu")
+            assert out.buffer is not None
             out.buffer.fill_(5)
-            info = a.describe(out)
-            inb = await b.open(peer_a, info, 100)
-            await b.fetch(inb, 0, 100, None)
-            assert inb.buffer is not None and bool((inb.buffer == 5).all())
+            info = out.ref
+            imp = await b.import_(peer_a, info, 100)
+            await imp.fetch(0, 100, None)
+            assert imp.buffer is not None and bool((imp.buffer == 5).all())
             await b.disconnect(peer_a)
-            assert b.stats()["remotes"] == 0
+            assert b.stats().detail["remotes"] == 0
             with pytest.raises(BackendError):
-                await b.fetch(inb, 0, 100, None)  # its object can no longer be read
-            b.close(inb)
+                await imp.fetch(0, 100, None)  # its object can no longer be read
+            imp.close()
             with pytest.raises(BackendError, match="did not announce"):
-                await b.open(peer_a, info, 100)
-            assert b.stats()["open"] == 0 and b.stats()["pool_bytes_in_use"] == 0
-            a.free(out)
+                await b.import_(peer_a, info, 100)
+            assert b.stats().idle and b.stats().detail["pool_bytes_in_use"] == 0
+            out.release()
         finally:
             await a.aclose()
             await b.aclose()
         with pytest.raises(BackendClosedError):
-            await b.open(peer_a, info, 100)
+            await b.import_(peer_a, info, 100)
 
     anyio.run(run)
 
 
-def test_missing_library_is_unavailable_with_an_install_hint(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    monkeypatch.setattr(nixl_mod, "_api", None)
-    monkeypatch.setattr(nixl_mod, "_api_error", None)
-    monkeypatch.setattr(nixl_mod, "_API_MODULES", ("omniwire_no_such_nixl._api",))
-    av = nixl_mod.NixlBackend.availability()
-    assert not av.available
-    assert "omniwire_no_such_nixl" in av.reason
-    assert av.hint == 'pip install "omniwire[nixl]"'
+def test_missing_library_is_unavailable_with_an_install_hint() -> None:
+    with pytest.raises(ImportError, match="omniwire_no_such_nixl"):
+        engine_mod.load_api(("omniwire_no_such_nixl._api",))
+    cls = require_backend("nixl")
+    assert engine_mod.load_api() is not None  # the real one is still found and cached
+    assert cls.install_hint == 'pip install "omniwire[nixl]"'
 
 
 def test_metadata_agent_name_parser() -> None:
     head = b"nixlSerDes|Agent"
     good = head + (5).to_bytes(8, "little") + b"agent|Conns..."
-    assert nixl_mod._md_agent(good) == "agent"
-    assert nixl_mod._md_agent(head + (50).to_bytes(8, "little") + b"agent|") is None
-    assert nixl_mod._md_agent(head + (2**63).to_bytes(8, "little") + b"x|") is None
-    assert nixl_mod._md_agent(b"\x80\x04pickle") is None
-    assert nixl_mod._md_agent(b"") is None
+    assert blobs.md_agent(good) == "agent"
+    assert blobs.md_agent(head + (50).to_bytes(8, "little") + b"agent|") is None
+    assert blobs.md_agent(head + (2**63).to_bytes(8, "little") + b"x|") is None
+    assert blobs.md_agent(b"\x80\x04pickle") is None
+    assert blobs.md_agent(b"") is None
 
 
-def test_raw_bench_moves_bytes_between_two_processes() -> None:
-    require_backend("nixl")
-    result = nixl_mod.raw_bench([4096, 1 << 20], 2)
-    assert set(result) == {4096, 1 << 20}
-    assert all(v > 0 for v in result.values())
+@pytest.mark.parametrize("copy", [True, False], ids=["copy", "zero-copy"])
+def test_lent_tensors_are_read_in_place_with_cached_registrations(pair: _Pair, copy: bool) -> None:
+    ts = [torch.randn(70_000), torch.empty(0), torch.arange(33, dtype=torch.int64)]
+    layout = packing.plan(ts)
+
+    async def run() -> Any:
+        assert await pair.a.export_tensors(pair.peer_b, ts, lent=False) is None
+        before = pair.a.stats().detail["registrations"]
+        outs = []
+        for _ in range(3):  # in flight together: one registration each, shared
+            out = await pair.a.export_tensors(pair.peer_b, ts, lent=True)
+            assert out is not None and out.buffer is None and out.nbytes == layout.nbytes
+            await out.publish(0, out.nbytes)
+            outs.append(out)
+        for out in outs:
+            ref = msgspec.msgpack.decode(out.ref, type=blobs.PiecesRef)
+            assert ref.pool == -2 and len(ref.lent) == 2 and len(ref.pieces) == 2
+            got = await _receive(pair, out.ref, layout.nbytes, copy=copy)
+            back = packing.unpack(got, layout.metas, copy=True)
+            assert all(torch.equal(x, y) for x, y in zip(ts, back, strict=True))
+            out.release()
+        assert pair.a.stats().detail["registrations"] == before + 2
+        return pair.a.stats(), pair.b.stats()
+
+    sa, sb = pair.call(run)
+    assert sa.idle and sb.idle and sa.detail["pool_bytes_in_use"] == 0
+
+
+class FakeAgent:
+    """An agent whose READs never finish and cannot be cancelled (a wedged NIC)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.registered: list[blobs.Region] = []
+        self.released = 0
+
+    def register(self, region: blobs.Region) -> object:
+        self.registered.append(region)
+        return region
+
+    def deregister(self, registration: object) -> None:
+        self.registered.remove(registration)  # type: ignore[arg-type]
+
+    def metadata(self) -> bytes:
+        name = self.name.encode()
+        return b"nixlSerDes|Agent" + len(name).to_bytes(8, "little") + name + b"|"
+
+    def partial_metadata(self, registration: object) -> bytes:
+        return self.metadata()
+
+    def load(self, metadata: bytes) -> str:
+        return blobs.md_agent(metadata) or ""
+
+    def unload(self, agent: str) -> None:
+        pass
+
+    def known(self, agent: str) -> bool:
+        return True
+
+    def connect(self, agent: str) -> None:
+        pass
+
+    def start_read(self, *args: object) -> tuple[object, str]:
+        return object(), "PROC"
+
+    def state(self, transfer: object) -> str:
+        return "PROC"
+
+    def release(self, transfer: object) -> None:
+        self.released += 1
+        raise BackendError("nixl: the transfer is still posted")
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.mark.asyncio
+async def test_a_read_that_cannot_be_cancelled_quarantines_its_memory() -> None:
+    """Through the agent seam: no NIXL, no monkeypatching."""
+    agents: list[FakeAgent] = []
+
+    def factory(name: str) -> FakeAgent:
+        agents.append(FakeAgent(name))
+        return agents[-1]
+
+    cls = require_backend("nixl")
+    opts = {"pool_size": 1 << 20, "timeout": 0.05, "agent_factory": factory}
+    a, b = cls(_ctx("fa", **opts)), cls(_ctx("fb", **opts))
+    await a.start()
+    await b.start()
+    try:
+        await b.connect(_peer_info(a))
+        await a.connect(_peer_info(b))
+        out = await a.export(_peer_info(b), 4096, "cpu")
+        imp = await b.import_(_peer_info(a), out.ref, 4096)
+        with pytest.raises(BackendError, match="could not be cancelled"):
+            await imp.fetch(0, 4096)
+        imp.close()
+        out.release()
+        assert b.stats().idle and b.stats().detail["pool_quarantined"] == 1
+        assert agents[1].released == 1
+    finally:
+        await a.aclose()
+        await b.aclose()
+    assert all(not agent.registered for agent in agents)  # every registration undone
+
+
+def test_agent_seam_is_what_nixl_agent_implements() -> None:
+    names = [n for n in dir(engine_mod.Agent) if not n.startswith("_")]
+    assert all(callable(getattr(NixlAgent, n, None)) for n in names if n != "name"), names

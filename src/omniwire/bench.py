@@ -9,16 +9,26 @@ tensor of each size and measures:
   copied the data, or in zero-copy mode mapped it) — latency-bound GB/s;
 - **streamed**: back-to-back transfers with credits in flight — GB/s and msgs/s.
 
+Modes: ``copy`` (the receiver copies into its own memory), ``zero-copy`` (shm: the
+receiver views the sender's memory), ``lent`` (the cross-host engines, with
+``send(..., lend=True)``: the engine reads the caller's tensors in place, no
+packing copy).
+
 Baselines measured in the same run: the machine's memcpy bandwidth (numpy, warm
 pages, single thread), a raw ``zmq.asyncio`` round trip between two processes,
-and, for each cross-host engine, the bare engine's own throughput
-(``raw_bench`` of its module). Set ``OMP_NUM_THREADS=1`` (``make bench`` does).
+and, for each cross-host engine, the bare engine doing the same operation between
+two processes (:mod:`omniwire.rawbench`): its transfers are interleaved one by one
+with the row's one-way transfers (a shared machine drifts within minutes), and the
+row carries its one-way GB/s as a ratio to the bare engine's (``vs_raw``; both
+figures are in ``--json``). With shm, the *obstructed* case is
+measured too: a large object sent while a zero-copy consumer holds a 1 KiB one,
+beside the same object unobstructed. Set ``OMP_NUM_THREADS=1`` (``make bench``
+does).
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import os
 import secrets
@@ -35,6 +45,7 @@ import anyio
 import numpy as np
 import torch
 
+from . import rawbench
 from .endpoint import Endpoint
 from .registry import backend_status
 
@@ -55,6 +66,7 @@ DEFAULT_SIZES = [
 ]
 QUICK_SIZES = [KiB, 64 * KiB, MiB, 64 * MiB]
 CROSS_HOST = ("mooncake", "nixl", "nccl")
+OBSTRUCTED_SIZES = [33 * MiB, 64 * MiB]
 
 
 def _parse_size(text: str) -> int:
@@ -83,6 +95,10 @@ class Row:
     stream_gbps: float
     msgs_per_s: float
     memcpy_gbps: float
+    #: the bare engine's GB/s at this size, its transfers interleaved with this row's
+    raw_gbps: float | None = None
+    #: one-way GB/s over ``raw_gbps`` (engines only)
+    vs_raw: float | None = None
 
 
 @dataclass
@@ -91,6 +107,8 @@ class Results:
     zmq_rtt_us: dict[int, float] = field(default_factory=dict)
     raw_engine_gbps: dict[str, dict[int, float]] = field(default_factory=dict)
     rows: list[Row] = field(default_factory=list)
+    #: size -> (one-way seconds alone, one-way seconds behind a held 1 KiB object)
+    obstructed_s: dict[int, tuple[float, float]] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
 
 
@@ -216,44 +234,72 @@ class _Peer:
         return code
 
 
-async def _stream(ep: Endpoint, peer: str, payload: Any, n: int, tag: str) -> None:
-    receipts = [await ep.send(peer, payload, request_id=f"{tag}{i}") for i in range(n)]
+async def _stream(ep: Endpoint, peer: str, payload: Any, n: int, tag: str, lend: bool) -> None:
+    receipts = [await ep.send(peer, payload, request_id=f"{tag}{i}", lend=lend) for i in range(n)]
     for r in receipts:
         await r.wait()
 
 
-async def _measure(
-    ep: Endpoint, peer: str, size: int, iters: int
-) -> tuple[float, float, float, float, float]:
+def _payload(size: int) -> dict[str, torch.Tensor]:
     t = torch.ones(size // 4 if size >= 4 else 1, dtype=torch.float32)
     if size % 4:
         t = torch.ones(size, dtype=torch.uint8)
-    payload = {"x": t}
+    return {"x": t}
+
+
+async def _oneway(
+    ep: Endpoint,
+    peer: str,
+    payload: Any,
+    n: int,
+    tag: str,
+    lend: bool,
+    raw: tuple[rawbench.Session, int, list[float]] | None = None,
+) -> float:
+    """Median seconds from ``send`` to the peer's ACK, one object at a time; with
+    ``raw = (session, size, times)``, each preceded by one bare-engine transfer
+    (its seconds appended to ``times``)."""
+    times = []
+    for i in range(n):
+        if raw is not None:
+            session, size, raw_times = raw
+            raw_times.append(await anyio.to_thread.run_sync(session.once, size))
+        start = time.perf_counter()
+        r = await ep.send(peer, payload, request_id=f"{tag}{i}", lend=lend)
+        await r.wait()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+async def _measure(
+    ep: Endpoint,
+    peer: str,
+    size: int,
+    iters: int,
+    lend: bool = False,
+    raw: tuple[rawbench.Session, int, list[float]] | None = None,
+) -> tuple[float, float, float, float, float]:
+    payload = _payload(size)
     n_rtt = _iters(size, iters)
     # warm up: fault in arenas, pools and the receiver's buffers for this size
     for _ in range(3):
-        r = await ep.send(peer, payload, request_id="warm", metadata={"echo": True})
+        r = await ep.send(peer, payload, request_id="warm", metadata={"echo": True}, lend=lend)
         (await ep.receive()).release()
         await r.wait()
     rtts = []
     for i in range(n_rtt):
         start = time.perf_counter()
-        r = await ep.send(peer, payload, request_id=f"rtt{i}", metadata={"echo": True})
+        r = await ep.send(peer, payload, request_id=f"rtt{i}", metadata={"echo": True}, lend=lend)
         d = await ep.receive()
         rtts.append(time.perf_counter() - start)
         d.release()
         await r.wait()
-    oneway = []
-    for i in range(max(3, n_rtt // 2)):
-        start = time.perf_counter()
-        r = await ep.send(peer, payload, request_id=f"one{i}")
-        await r.wait()
-        oneway.append(time.perf_counter() - start)
+    oneway = await _oneway(ep, peer, payload, max(5, n_rtt), "one", lend, raw)
     n_stream = max(4, n_rtt)
     # warm the receiver's buffer pool for as many objects as may be in flight
-    await _stream(ep, peer, payload, n_stream, "warm-stream")
+    await _stream(ep, peer, payload, n_stream, "warm-stream", lend)
     start = time.perf_counter()
-    await _stream(ep, peer, payload, n_stream, "st")
+    await _stream(ep, peer, payload, n_stream, "st", lend)
     elapsed = time.perf_counter() - start
     rtts.sort()
     p50 = rtts[len(rtts) // 2]
@@ -261,7 +307,7 @@ async def _measure(
     return (
         p50 * 1e6,
         p99 * 1e6,
-        size / statistics.median(oneway) / 1e9,
+        size / oneway / 1e9,
         n_stream * size / elapsed / 1e9,
         n_stream / elapsed,
     )
@@ -269,12 +315,18 @@ async def _measure(
 
 async def bench_backend(
     backend: str,
-    zero_copy: bool,
+    mode: str,
     sizes: Sequence[int],
     iters: int,
     results: Results,
     step: Callable[[str], None],
+    with_raw: bool = True,
 ) -> None:
+    zero_copy, lend = mode == "zero-copy", mode == "lent"
+    session: rawbench.Session | None = None
+    if with_raw and backend in rawbench.ENGINES:
+        step(f"raw {backend} (its transfers interleaved with {mode}'s)")
+        session = await anyio.to_thread.run_sync(rawbench.open_session, backend, max(sizes))
     tag = secrets.token_hex(3)
     tcp = backend in CROSS_HOST or backend == "example_tcp"
     base = f"{tempfile.gettempdir()}/omniwire-bench-{os.getuid()}"
@@ -295,7 +347,6 @@ async def bench_backend(
     if zero_copy:
         args.append("--zero-copy")
     peer = await anyio.to_thread.run_sync(_Peer, peer_name, addresses[1], args)
-    mode = "zero-copy" if zero_copy else "copy"
     try:
         async with Endpoint(
             me,
@@ -311,32 +362,77 @@ async def bench_backend(
             await ep.wait_peer(peer_name, 60)
             for size in sizes:
                 step(f"{backend} {mode} {_human(size)}")
-                p50, p99, oneway, stream, msgs = await _measure(ep, peer_name, size, iters)
-                results.rows.append(
-                    Row(
-                        backend,
-                        mode,
-                        size,
-                        p50,
-                        p99,
-                        oneway,
-                        stream,
-                        msgs,
-                        results.memcpy_gbps[size],
-                    )
+                raw_times: list[float] = []
+                if session is not None:
+                    await anyio.to_thread.run_sync(session.once, size)  # warm-up
+                raw = (session, size, raw_times) if session is not None else None
+                p50, p99, oneway, stream, msgs = await _measure(
+                    ep, peer_name, size, iters, lend, raw
                 )
+                row = Row(
+                    backend, mode, size, p50, p99, oneway, stream, msgs, results.memcpy_gbps[size]
+                )
+                if raw_times:
+                    row.raw_gbps = size / statistics.median(raw_times) / 1e9
+                    row.vs_raw = row.oneway_gbps / row.raw_gbps
+                results.rows.append(row)
     finally:
+        if session is not None:
+            await anyio.to_thread.run_sync(session.close)
         code = await anyio.to_thread.run_sync(peer.stop)
         if code != 0:
             results.notes.append(f"{backend} {mode}: the peer process exited with {code}")
 
 
-def _plans(backends: Sequence[str]) -> list[tuple[str, bool]]:
+async def bench_obstructed(
+    sizes: Sequence[int], iters: int, results: Results, step: Callable[[str], None]
+) -> None:
+    """shm with its default arena, zero-copy receiver: one-way seconds of a large
+    object alone, then while the receiver holds an unrelated 1 KiB object."""
+    tag = secrets.token_hex(3)
+    base = f"{tempfile.gettempdir()}/omniwire-bench-{os.getuid()}"
+    peer_name, me = f"bench-peer-{tag}", f"bench-{tag}"
+    args = ["--backends", "shm", "--routes", json.dumps({me: "shm"}), "--zero-copy"]
+    peer = await anyio.to_thread.run_sync(_Peer, peer_name, f"ipc://{base}/b-{tag}", args)
+    n = max(5, iters // 20)
+    try:
+        async with Endpoint(
+            me,
+            address=f"ipc://{base}/a-{tag}",
+            peers={peer_name: peer.address},
+            backends=["shm"],
+            routes={peer_name: "shm"},
+            ack_timeout=120,
+        ) as ep:
+            await ep.wait_peer(peer_name, 60)
+            for size in sizes:
+                step(f"shm zero-copy {_human(size)} behind a held 1 KiB object")
+                payload = _payload(size)
+                await _oneway(ep, peer_name, payload, 2, "warm-alone", False)
+                alone = await _oneway(ep, peer_name, payload, n, "alone", False)
+                small = await ep.send(
+                    peer_name, _payload(KiB), request_id="held", metadata={"hold": True}
+                )
+                await _oneway(ep, peer_name, payload, 1, "warm-behind", False)
+                behind = await _oneway(ep, peer_name, payload, n, "behind", False)
+                drop = await ep.send(peer_name, {}, request_id="drop", metadata={"drop_held": True})
+                await drop.wait()
+                await small.wait()
+                results.obstructed_s[size] = (alone, behind)
+    finally:
+        code = await anyio.to_thread.run_sync(peer.stop)
+        if code != 0:
+            results.notes.append(f"shm obstructed: the peer process exited with {code}")
+
+
+def _plans(backends: Sequence[str]) -> list[tuple[str, str]]:
     plans = []
     for b in backends:
-        plans.append((b, False))
+        plans.append((b, "copy"))
         if b == "shm":
-            plans.append((b, True))
+            plans.append((b, "zero-copy"))
+        if b in CROSS_HOST:
+            plans.append((b, "lent"))
     return plans
 
 
@@ -367,29 +463,41 @@ class _Progress:
             self.bar.close()
 
 
-async def run(backends: Sequence[str], sizes: Sequence[int], iters: int, raw: bool) -> Results:
+async def run(
+    backends: Sequence[str],
+    sizes: Sequence[int],
+    iters: int,
+    raw: bool,
+    obstructed: Sequence[int] = (),
+) -> Results:
     results = Results()
     plans = _plans(backends)
-    raw_engines = [b for b in backends if b in CROSS_HOST] if raw else []
-    progress = _Progress(len(sizes) + 1 + len(raw_engines) + len(plans) * len(sizes))
+    raw_engines = [b for b in backends if b in rawbench.ENGINES] if raw else []
+    obstructed = obstructed if "shm" in backends else ()
+    progress = _Progress(
+        len(sizes)
+        + 1
+        + sum(1 for b, _ in plans if b in raw_engines)
+        + len(plans) * len(sizes)
+        + len(obstructed)
+    )
     for size in sizes:
         progress.step(f"memcpy {_human(size)}")
         results.memcpy_gbps[size] = memcpy_gbps(size)
     progress.step("raw zmq.asyncio round trip")
     results.zmq_rtt_us = await zmq_rtt_us([64, KiB], max(iters, 200))
-    for name in raw_engines:
-        progress.step(f"raw {name}")
-        module = importlib.import_module(f"omniwire.backends.{name}")
-        raw_bench = getattr(module, "raw_bench", None)
-        if raw_bench is None:
-            results.notes.append(f"{name}: no raw_bench to compare with")
-            continue
-        engine_sizes = [s for s in sizes if s >= MiB] or list(sizes)
-        results.raw_engine_gbps[name] = await anyio.to_thread.run_sync(
-            raw_bench, engine_sizes, max(3, iters // 20)
+    for backend, mode in plans:
+        await bench_backend(
+            backend, mode, sizes, iters, results, progress.step, backend in raw_engines
         )
-    for backend, zero_copy in plans:
-        await bench_backend(backend, zero_copy, sizes, iters, results, progress.step)
+    if obstructed:
+        await bench_obstructed(obstructed, iters, results, progress.step)
+    for name in raw_engines:  # every interleaved bare transfer of an engine, per size
+        figures: dict[int, list[float]] = {}
+        for r in results.rows:
+            if r.backend == name and r.raw_gbps is not None:
+                figures.setdefault(r.size, []).append(r.raw_gbps)
+        results.raw_engine_gbps[name] = {s: statistics.mean(g) for s, g in figures.items()}
     progress.close()
     return results
 
@@ -417,14 +525,20 @@ def report(results: Results) -> str:
     lines.append("")
     header = (
         f"{'backend':<12} {'mode':<9} {'size':>8} {'rtt p50':>10} {'rtt p99':>10} "
-        f"{'one-way':>9} {'×memcpy':>7} {'streamed':>9} {'msgs/s':>9}"
+        f"{'one-way':>9} {'×memcpy':>7} {'vs raw':>6} {'streamed':>9} {'msgs/s':>9}"
     )
     lines += [header, "-" * len(header)]
     for r in results.rows:
+        vs_raw = f"{r.vs_raw:>5.2f}x" if r.vs_raw is not None else f"{'':>6}"
         lines.append(
             f"{r.backend:<12} {r.mode:<9} {_human(r.size):>8} {r.rtt_p50_us:>8.0f}µs "
             f"{r.rtt_p99_us:>8.0f}µs {r.oneway_gbps:>5.2f}GB/s {r.oneway_gbps / r.memcpy_gbps:>6.2f}x "
-            f"{r.stream_gbps:>5.2f}GB/s {r.msgs_per_s:>9.0f}"
+            f"{vs_raw} {r.stream_gbps:>5.2f}GB/s {r.msgs_per_s:>9.0f}"
+        )
+    for size, (alone, behind) in sorted(results.obstructed_s.items()):
+        lines.append(
+            f"shm zero-copy {_human(size)} one-way: {alone * 1e3:.1f} ms alone, "
+            f"{behind * 1e3:.1f} ms behind a held 1 KiB object ({behind / alone:.2f}x)"
         )
     lines.append("")
     lines.append("targets:")
@@ -458,16 +572,25 @@ def _targets(results: Results) -> Iterator[str]:
         )
     for name, figures in results.raw_engine_gbps.items():
         for s in (MiB, 64 * MiB):
-            r = row(name, "copy", s)
             raw = figures.get(s)
-            if r is not None and raw:
-                shm = row("shm", "copy", s)
-                shm_text = f", shm {shm.oneway_gbps:.2f} GB/s" if shm else ""
+            for mode in ("copy", "lent"):
+                r = row(name, mode, s)
+                if r is None or not raw or r.vs_raw is None:
+                    continue
+                met = ""
+                if s == 64 * MiB and mode == "lent":
+                    met = f" (target >= 0.9x: {'met' if r.vs_raw >= 0.9 else 'NOT met'})"
                 yield (
-                    f"  {name} {_human(s)}: omniwire {r.oneway_gbps:.2f} GB/s one-way, "
-                    f"{r.stream_gbps:.2f} streamed vs raw engine {raw:.2f} GB/s "
-                    f"({r.stream_gbps / raw:.2f}x){shm_text}"
+                    f"  {name} {mode} {_human(s)}: {r.oneway_gbps:.2f} GB/s one-way = "
+                    f"{r.vs_raw:.2f}x the raw engine ({raw:.2f} GB/s){met}; "
+                    f"{r.stream_gbps:.2f} GB/s streamed"
                 )
+    for size, (alone, behind) in sorted(results.obstructed_s.items()):
+        ratio = behind / alone
+        yield (
+            f"  shm {_human(size)} behind a held 1 KiB object: {ratio:.2f}x the time alone "
+            f"(target < 2x: {'met' if ratio < 2 else 'NOT met'})"
+        )
 
 
 def plot(results: Results, path: str) -> None:
@@ -518,6 +641,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="four sizes, fewer repetitions")
     p.add_argument("--iters", type=int, default=200, help="round trips for small sizes")
     p.add_argument("--no-raw", action="store_true", help="skip the raw engine baselines")
+    p.add_argument(
+        "--no-obstructed",
+        action="store_true",
+        help="skip the shm case of a large object behind a held 1 KiB one",
+    )
     p.add_argument("--json", metavar="FILE", help="write results as JSON")
     p.add_argument("--plot", metavar="FILE.png", help="write a chart")
     p.add_argument("--zmq-echo", help=argparse.SUPPRESS)
@@ -542,7 +670,8 @@ def main(argv: list[str] | None = None) -> int:
         else (QUICK_SIZES if args.quick else DEFAULT_SIZES)
     )
     iters = 50 if args.quick else args.iters
-    results = anyio.run(run, backends, sizes, iters, not args.no_raw)
+    obstructed = [] if args.no_obstructed else OBSTRUCTED_SIZES
+    results = anyio.run(run, backends, sizes, iters, not args.no_raw, obstructed)
     print(report(results))
     if args.json:
         with open(args.json, "w") as f:
@@ -552,6 +681,10 @@ def main(argv: list[str] | None = None) -> int:
                     "zmq_rtt_us": results.zmq_rtt_us,
                     "raw_engine_gbps": results.raw_engine_gbps,
                     "rows": [asdict(r) for r in results.rows],
+                    "obstructed_s": {
+                        s: {"alone": a, "behind_1KiB": b}
+                        for s, (a, b) in results.obstructed_s.items()
+                    },
                     "notes": results.notes,
                 },
                 f,

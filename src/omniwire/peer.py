@@ -7,7 +7,13 @@ It runs one :class:`~omniwire.Endpoint` and answers every delivery:
   error or abort is answered with an ``error`` stream end naming it;
 - ``sink``: takes everything, answers nothing (``--delay`` seconds per delivery
   makes it a slow consumer);
-- ``bench``: answers (as ``echo``) only deliveries whose metadata has ``"echo": True``.
+- ``bench``: answers (as ``echo``) only deliveries whose metadata has ``"echo": True``;
+  keeps deliveries whose metadata has ``"hold": True`` unreleased (a zero-copy
+  consumer that holds on to an object) until one with ``"drop_held": True`` comes.
+
+In every mode a delivery whose metadata has ``"stats": True`` is answered at once
+with ``{"stats": {backend: [exports, imports]}}`` (metadata ``{"stats": True}``):
+what this endpoint's backends hold, for the conformance suite.
 
 It prints ``READY <address>`` once listening and exits 0 on SIGTERM or when
 ``--exit-after`` deliveries were handled. Used by the conformance suite and the
@@ -62,6 +68,27 @@ async def _answer(ep: Endpoint, d: Any) -> None:
         )
 
 
+def backend_stats(ep: Endpoint) -> dict[str, list[int]]:
+    """``{backend: [live exports, live imports]}`` of an endpoint."""
+    out = {}
+    for name in ep.running_backends:
+        stats = ep.backend(name).stats()
+        out[name] = [stats.exports, stats.imports]
+    return out
+
+
+async def _answer_stats(ep: Endpoint, d: Any) -> None:
+    try:
+        await ep.send(
+            d.from_stage,
+            {"stats": backend_stats(ep)},
+            request_id=d.request_id,
+            metadata={"stats": True},
+        )
+    except Exception as exc:
+        print(f"stats answer failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+
+
 async def run(args: argparse.Namespace) -> int:
     peers = dict(p.split("=", 1) for p in args.peer)
     ep = Endpoint(
@@ -92,8 +119,20 @@ async def run(args: argparse.Namespace) -> int:
                         return
 
                 tg.start_soon(stop_on_signal)
+                held = []
                 async for d in ep:
+                    meta = d.metadata if isinstance(d.metadata, dict) else {}
+                    if args.mode == "bench" and meta.get("hold"):
+                        held.append(d)
+                        continue
+                    if meta.get("drop_held"):
+                        for h in held:
+                            h.release()
+                        held.clear()
                     async with d:
+                        if isinstance(d.metadata, dict) and d.metadata.get("stats"):
+                            await _answer_stats(ep, d)
+                            continue
                         if args.delay:
                             await anyio.sleep(args.delay)
                         wants = args.mode == "echo" or (

@@ -14,7 +14,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from omniwire.backends.base import BackendContext, Locality, OutboundBuffer, PeerInfo
+from omniwire.backends.base import BackendContext, Export, Locality, PeerInfo
 from omniwire.errors import BackendClosedError, BackendError
 
 from omniwire_backend_example import TcpBackend
@@ -27,7 +27,7 @@ def _peer(backend: TcpBackend) -> PeerInfo:
     """How the other side sees ``backend`` after its Hello."""
     ctx = backend.ctx
     return PeerInfo(
-        ctx.endpoint, ctx.instance, os.getpid(), "h", "t", Locality.SAME_HOST, backend.local_info()
+        ctx.endpoint, ctx.instance, os.getpid(), "h", "t", Locality.SAME_HOST, backend.hello()
     )
 
 
@@ -49,14 +49,14 @@ async def _pair(**options: object) -> AsyncIterator[Pair]:
     finally:
         await receiver.aclose()
         await sender.aclose()
-    assert sender.stats()["connections_in"] == 0
+    assert sender.stats().detail["connections_in"] == 0
 
 
-async def _announce(sender: TcpBackend, to: PeerInfo, data: bytes) -> OutboundBuffer:
-    out = await sender.allocate(to, len(data), "cpu")
+async def _announce(sender: TcpBackend, to: PeerInfo, data: bytes) -> Export:
+    out = await sender.export(to, len(data), "cpu")
     assert out.buffer is not None
     out.buffer.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
-    await sender.publish(out, 0, len(data))
+    await out.publish(0, len(data))
     return out
 
 
@@ -70,20 +70,21 @@ def test_fetch_reads_ranges_and_reuses_one_connection(pool_size: int) -> None:
         async with _pair(pool_size=pool_size) as (sender, receiver, to_receiver, to_sender):
             data = os.urandom(300_000)
             out = await _announce(sender, to_receiver, data)
-            inb = await receiver.open(to_sender, sender.describe(out), len(data))
+            imp = await receiver.import_(to_sender, out.ref, len(data))
             dest = torch.zeros(len(data), dtype=torch.uint8)
             for lo, hi in [(0, 10), (10, 200_000), (200_000, len(data))]:
-                await receiver.fetch(inb, lo, hi, dest)
+                await imp.fetch(lo, hi, dest)
             assert bytes(dest.numpy()) == data
-            await receiver.fetch(inb, 5, 70_000)  # no dest: into inb.buffer
-            assert inb.buffer is not None and bytes(inb.buffer[5:70_000].numpy()) == data[5:70_000]
-            receiver.close(inb)
-            receiver.close(inb)  # idempotent
-            sender.free(out)
-            sender.free(out)  # idempotent
-            assert receiver.stats()["connections_out"] == 1
-            assert sender.stats()["leases"] == receiver.stats()["open"] == 0
-            assert sender.stats()["pool_bytes_in_use"] == 0
+            await imp.fetch(5, 70_000)  # no dest: into imp.buffer
+            assert imp.buffer is not None and bytes(imp.buffer[5:70_000].numpy()) == data[5:70_000]
+            imp.close()
+            imp.close()  # idempotent
+            out.release()
+            out.release()  # idempotent
+            assert receiver.stats().detail["connections_out"] == 1
+            assert sender.stats().idle and receiver.stats().idle
+            assert sender.stats().detail["pool_bytes_in_use"] == 0
+            assert sender.stats().detail["pool_dedicated_created"] == (0 if pool_size else 1)
 
     _run(run)
 
@@ -92,35 +93,35 @@ def test_refused_reads_are_backend_errors_and_keep_the_connection() -> None:
     async def run() -> None:
         async with _pair() as (sender, receiver, to_receiver, to_sender):
             out = await _announce(sender, to_receiver, b"x" * 100)
-            info = sender.describe(out)
-            inb = await receiver.open(to_sender, info, 100)
+            imp = await receiver.import_(to_sender, out.ref, 100)
             # not published yet
-            half = await sender.allocate(to_receiver, 100, "cpu")
-            await sender.publish(half, 0, 50)
-            inb_half = await receiver.open(to_sender, sender.describe(half), 100)
-            await receiver.fetch(inb_half, 0, 50)
+            half = await sender.export(to_receiver, 100, "cpu")
+            await half.publish(0, 50)
+            imp_half = await receiver.import_(to_sender, half.ref, 100)
+            await imp_half.fetch(0, 50)
             with pytest.raises(BackendError, match="not published yet"):
-                await receiver.fetch(inb_half, 50, 100)
+                await imp_half.fetch(50, 100)
             # a forged reference: the right server, an object it never announced
             forged = proto.encode(proto.Ref(sender.token, 10**6, 100))
             with pytest.raises(BackendError, match="unknown here"):
-                await receiver.fetch(await receiver.open(to_sender, forged, 100), 0, 100)
+                await (await receiver.import_(to_sender, forged, 100)).fetch(0, 100)
             # bytes past the end of the real object
-            longer = proto.encode(proto.Ref(sender.token, out.handle, 4096))
+            object_id = proto.decode_ref(out.ref).object_id
+            longer = proto.encode(proto.Ref(sender.token, object_id, 4096))
             with pytest.raises(BackendError, match="outside object"):
-                await receiver.fetch(await receiver.open(to_sender, longer, 4096), 0, 4096)
+                await (await receiver.import_(to_sender, longer, 4096)).fetch(0, 4096)
             # released: the ACK came, the object is gone
-            sender.free(out)
+            out.release()
             with pytest.raises(BackendError, match="unknown here"):
-                await receiver.fetch(inb, 0, 100)
+                await imp.fetch(0, 100)
             # the connection stayed in step through all of that
             ok = await _announce(sender, to_receiver, b"fine")
-            inb_ok = await receiver.open(to_sender, sender.describe(ok), 4)
-            await receiver.fetch(inb_ok, 0, 4)
-            assert inb_ok.buffer is not None and bytes(inb_ok.buffer.numpy()) == b"fine"
-            assert receiver.stats()["connections_out"] == 1
-            sender.free(half)
-            sender.free(ok)
+            imp_ok = await receiver.import_(to_sender, ok.ref, 4)
+            await imp_ok.fetch(0, 4)
+            assert imp_ok.buffer is not None and bytes(imp_ok.buffer.numpy()) == b"fine"
+            assert receiver.stats().detail["connections_out"] == 1
+            half.release()
+            ok.release()
 
     _run(run)
 
@@ -130,10 +131,10 @@ def test_objects_announced_to_someone_else_are_refused() -> None:
         async with _pair() as (sender, receiver, _to_receiver, to_sender):
             other = _peer(_backend("other"))
             out = await _announce(sender, other, b"secret")
-            inb = await receiver.open(to_sender, sender.describe(out), 6)
+            imp = await receiver.import_(to_sender, out.ref, 6)
             with pytest.raises(BackendError, match="announced to 'other'"):
-                await receiver.fetch(inb, 0, 6)
-            sender.free(out)
+                await imp.fetch(0, 6)
+            out.release()
 
     _run(run)
 
@@ -150,11 +151,11 @@ def test_open_validates_the_reference(mutate: Callable[[proto.Ref], proto.Ref], 
     async def run() -> None:
         async with _pair() as (sender, receiver, to_receiver, to_sender):
             out = await _announce(sender, to_receiver, b"abcdef")
-            ref = proto.decode_ref(sender.describe(out))
+            ref = proto.decode_ref(out.ref)
             with pytest.raises(BackendError, match=match):
-                await receiver.open(to_sender, proto.encode(mutate(ref)), 6)
-            assert receiver.stats()["open"] == 0
-            sender.free(out)
+                await receiver.import_(to_sender, proto.encode(mutate(ref)), 6)
+            assert receiver.stats().idle
+            out.release()
 
     _run(run)
 
@@ -163,15 +164,15 @@ def test_a_gone_sender_is_a_backend_error() -> None:
     async def run() -> None:
         async with _pair() as (sender, receiver, to_receiver, to_sender):
             out = await _announce(sender, to_receiver, b"abc")
-            inb = await receiver.open(to_sender, sender.describe(out), 3)
-            await receiver.fetch(inb, 0, 1)
+            imp = await receiver.import_(to_sender, out.ref, 3)
+            await imp.fetch(0, 1)
             await sender.aclose()  # its server and connections go away
             with pytest.raises(BackendError, match="example_tcp"):
-                await receiver.fetch(inb, 1, 3)
+                await imp.fetch(1, 3)
             await receiver.disconnect(to_sender)
             with pytest.raises(BackendError, match="gone"):
-                await receiver.fetch(inb, 1, 3)
-            receiver.close(inb)
+                await imp.fetch(1, 3)
+            imp.close()
 
     _run(run)
 
@@ -240,9 +241,9 @@ def test_protocol_violations_close_only_that_connection(frame: bytes, match: byt
                 assert await raw.closed_by_server()
             # the server still serves everyone else
             out = await _announce(sender, to_receiver, b"ok")
-            inb = await receiver.open(to_sender, sender.describe(out), 2)
-            await receiver.fetch(inb, 0, 2)
-            sender.free(out)
+            imp = await receiver.import_(to_sender, out.ref, 2)
+            await imp.fetch(0, 2)
+            out.release()
 
     _run(run)
 
@@ -301,11 +302,11 @@ def test_decoding_random_references_only_raises_frame_error(data: bytes) -> None
 def test_a_wildcard_server_is_reached_at_the_peer_host() -> None:
     async def run() -> None:
         async with _pair(host="0.0.0.0") as (sender, receiver, to_receiver, to_sender):
-            assert proto.decode_hello_info(sender.local_info()).host == ""
+            assert proto.decode_hello_info(sender.hello()).host == ""
             out = await _announce(sender, to_receiver, b"everywhere")
-            inb = await receiver.open(to_sender, sender.describe(out), 10)
-            await receiver.fetch(inb, 0, 10)  # to_sender.host is 127.0.0.1
-            assert inb.buffer is not None and bytes(inb.buffer.numpy()) == b"everywhere"
-            sender.free(out)
+            imp = await receiver.import_(to_sender, out.ref, 10)
+            await imp.fetch(0, 10)  # to_sender.host is 127.0.0.1
+            assert imp.buffer is not None and bytes(imp.buffer.numpy()) == b"everywhere"
+            out.release()
 
     _run(run)

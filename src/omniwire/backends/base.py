@@ -56,6 +56,7 @@ __all__ = [
     "PeerInfo",
     "copy_range",
     "map_errors",
+    "one_line",
 ]
 
 #: Copies at least this large run in a worker thread, off the event loop.
@@ -388,7 +389,9 @@ def map_errors(
         with map_errors({OSError: BackendError}, f"shm: cannot map {name}"):
             ...
 
-    ``BackendError`` passes through unchanged; the first matching key wins.
+    ``BackendError`` passes through unchanged; the first matching key wins. The
+    message is ``context`` and the first line of the engine's (its type when empty).
+    Works as a decorator too.
     """
     try:
         yield
@@ -397,5 +400,11 @@ def map_errors(
     except tuple(mapping) as exc:
         for source, target in mapping.items():
             if isinstance(exc, source):
-                raise target(f"{context}: {exc}") from exc
+                raise target(f"{context}: {one_line(exc)}") from exc
         raise  # pragma: no cover - the tuple matched one of the keys
+
+
+def one_line(exc: BaseException) -> str:
+    """The first line of an exception's message (its type name when it has none)."""
+    text = str(exc).strip()
+    return (text.splitlines()[0] if text else type(exc).__name__)[:300]

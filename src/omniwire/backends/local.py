@@ -83,6 +83,8 @@ class LocalBackend(ObjectBackend):
         return _ObjectExport(self, key)
 
     async def import_(self, peer: PeerInfo, ref: bytes, nbytes: int) -> Import:
+        if self._closed:
+            raise BackendClosedError("local backend is closed")
         with _lock:
             try:
                 value = _table.pop(ref)

@@ -1,12 +1,18 @@
 """``shm``: POSIX shared memory between processes of one host.
 
-Each sending endpoint owns one **arena**: a segment in /dev/shm created once
-(space reserved with ``posix_fallocate`` so a full /dev/shm is a clear
-``ShmFullError``, never a SIGBUS), pre-faulted (``MAP_POPULATE``), and carved
-into reusable slots by a buddy allocator. Packing writes straight into a slot;
-the receiver maps the arena once and reads views of the slot. An object that
-does not fit in the free part of the arena gets a dedicated segment, unlinked
-when it is acknowledged.
+Each sending endpoint owns one **arena**: a segment in /dev/shm created on its
+first send (space reserved with ``posix_fallocate`` so a full /dev/shm is a clear
+``ShmFullError``, never a SIGBUS), pre-faulted (``MAP_POPULATE``), and carved into
+reusable slots by the shared slot pool (:mod:`omniwire.backends.pool`). Packing
+writes straight into a slot; the receiver maps the arena once and reads views of
+the slot. An endpoint that only receives creates no arena.
+
+Objects over half the arena never wait behind others (a 1 KiB slot anywhere in
+the arena would keep them waiting): up to ``large_segments`` extra segments of the
+arena's size are made for them on first need, pre-faulted and kept, and the
+receiver keeps them mapped like the arena. An object that finds no room either
+way — or is larger than the arena — gets a dedicated segment, unlinked when it is
+acknowledged.
 
 Ownership (as in ``multiprocessing.shared_memory``, but without its resource
 tracker): the creator owns a segment, holds an exclusive ``flock`` on it for its
@@ -19,7 +25,9 @@ owner die — so nothing is left in /dev/shm after a SIGKILL.
 
 Hello info (``BackendInfo.info``): msgpack ``{"prefix": "omniwire-<pid>-<token>"}``.
 Reference (``BackendRef.info``): msgpack ``{"segment": str, "offset": u64, "size": u64,
-"dedicated": bool}``; a dedicated segment is unmapped by the reader right after use.
+"dedicated": bool}``; a dedicated segment is unmapped by the reader right after use,
+any other (the arena, a kept segment for large objects) stays mapped until the
+peer is gone.
 """
 
 from __future__ import annotations
@@ -40,7 +48,6 @@ import msgspec
 import numpy as np
 import torch
 
-from ..alloc import BuddyAllocator
 from ..errors import BackendClosedError, BackendError, ShmFullError
 from ..hostinfo import pid_alive
 from .base import (
@@ -53,6 +60,8 @@ from .base import (
     Locality,
     PeerInfo,
 )
+from .pool import Lease, SlotPool
+from .support import decode_blob, mib
 
 __all__ = ["Segment", "ShmBackend", "sweep_stale_segments"]
 
@@ -79,10 +88,6 @@ class _Ref(msgspec.Struct, frozen=True):
 _hello_decoder = msgspec.msgpack.Decoder(_HelloInfo)
 _ref_decoder = msgspec.msgpack.Decoder(_Ref)
 _encoder = msgspec.msgpack.Encoder()
-
-
-def _mib(n: int) -> str:
-    return f"{n / 2**20:.1f} MiB"
 
 
 class Segment:
@@ -117,8 +122,8 @@ class Segment:
                 if exc.errno in (errno.ENOSPC, errno.EFBIG, errno.ENOMEM):
                     free = _free_bytes(directory)
                     raise ShmFullError(
-                        f"{directory} has no room for a {_mib(size)} shared-memory segment "
-                        f"({_mib(free)} free): enlarge {directory} or lower the shm "
+                        f"{directory} has no room for a {mib(size)} shared-memory segment "
+                        f"({mib(free)} free): enlarge {directory} or lower the shm "
                         "backend's arena_size"
                     ) from exc
                 raise
@@ -231,23 +236,22 @@ def sweep_stale_segments(directory: str = SHM_DIR, names: set[str] | None = None
 
 
 class _ShmExport(Export):
-    """A slot of the arena, or a dedicated segment, until the peer's ACK."""
+    """A slot of the arena, a kept segment, or a dedicated segment, until the peer's ACK."""
 
-    def __init__(
-        self, backend: ShmBackend, segment: Segment, offset: int, nbytes: int, dedicated: bool
-    ) -> None:
-        super().__init__(backend, nbytes, segment.view(offset, nbytes))
-        self.shm = backend
+    def __init__(self, backend: ShmBackend, lease: Lease[Segment], segment: Segment) -> None:
+        offset = max(lease.offset, 0)
+        super().__init__(backend, lease.nbytes, segment.view(offset, lease.nbytes))
+        self.lease = lease
         self.segment = segment
         self.offset = offset
-        self.dedicated = dedicated
+        self.dedicated = lease.dedicated and not lease.kept  # the reader unmaps it after use
 
     @property
     def ref(self) -> bytes:
         return _encoder.encode(_Ref(self.segment.name, self.offset, self.nbytes, self.dedicated))
 
     def _release(self) -> None:
-        self.shm._free(self)
+        self.lease.release()
 
 
 class _ShmImport(Import):
@@ -269,8 +273,10 @@ class _ShmImport(Import):
 
 class ShmBackend(ByteBackend):
     """Options (``backend_options={"shm": {...}}``): ``arena_size`` (bytes, default
-    64 MiB), ``directory`` (default /dev/shm), ``arena_wait`` (seconds an object that
-    fits the arena waits for a free slot before it gets a dedicated segment, default 1).
+    64 MiB), ``directory`` (default /dev/shm), ``arena_wait`` (seconds an object of at
+    most half the arena waits for a free slot before it gets a dedicated segment,
+    default 1), ``large_segments`` (how many kept segments of the arena's size carry
+    objects over half the arena, default 2; 0: a dedicated segment each).
 
     An object larger than the arena always gets a dedicated segment. One that fits
     but finds the arena full waits for ACKs to free a slot (warm memory beats a
@@ -291,22 +297,30 @@ class ShmBackend(ByteBackend):
 
     def __init__(self, ctx: BackendContext) -> None:
         super().__init__(ctx)
-        self.arena_size = int(ctx.options.get("arena_size", 64 << 20))
-        self.directory = str(ctx.options.get("directory", SHM_DIR))
-        self.arena_wait = float(ctx.options.get("arena_wait", 1.0))
-        self._freed = anyio.Event()
+        opts = ctx.options
+        try:
+            self.arena_size = int(opts.get("arena_size", 64 << 20))
+            self.directory = str(opts.get("directory", SHM_DIR))
+            self.arena_wait = float(opts.get("arena_wait", 1.0))
+            large = int(opts.get("large_segments", 2))
+        except (TypeError, ValueError) as exc:
+            raise BackendError(f"shm: bad options {dict(opts)!r}: {exc}") from None
         self.prefix = f"{PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
         self._seq = itertools.count()
         self._arena: Segment | None = None
-        self._alloc: BuddyAllocator | None = None
         self._arena_lock = anyio.Lock()
-        self._dedicated: dict[str, Segment] = {}
-        # receiver side: peer key -> its arena; every segment name we have mapped
+        self._arena_error = ""
+        self.pool: SlotPool[Segment] = SlotPool(
+            "shm arena",
+            create=self._new_segment,
+            destroy=self._drop_segment,
+            option="backend_options['shm']['arena_size']",
+            keep=max(large, 0),
+        )
+        # receiver side: peer key -> the segments of it mapped here
         self._mapped: dict[tuple[str, int], dict[str, Segment]] = {}
         self._prefixes: dict[tuple[str, int], str] = {}
         self._closed = False
-        self._warned_dedicated = False
-        self._arena_error = ""
 
     @classmethod
     def availability(cls) -> Availability:
@@ -342,27 +356,32 @@ class ShmBackend(ByteBackend):
             raise BackendError(f"{peer.name!r}: {why}")
         prefix = _hello_decoder.decode(peer.info).prefix
         self._prefixes[peer.key] = prefix
-        if peer.locality is not Locality.CROSS_HOST and not self._closed:
-            await self._ensure_arena()  # first same-host peer: fault the arena in now
+
+    def _new_segment(self, size: int) -> Segment:
+        return Segment.create(f"{self.prefix}-{next(self._seq)}", size, self.directory)
+
+    def _drop_segment(self, seg: Segment) -> None:
+        seg.unlink(self.directory)
+        seg.close()
 
     async def _ensure_arena(self) -> None:
-        """Create the arena once. If /dev/shm has no room for it, say so once and carry
-        on with dedicated segments (each of which fails with ShmFullError if it, too,
-        does not fit)."""
+        """Create the arena on the first send. If /dev/shm has no room for it, say so
+        once and carry on with dedicated segments (each of which fails with
+        ShmFullError if it, too, does not fit)."""
         if self._arena is not None or self.arena_size <= 0 or self._arena_error:
             return
         async with self._arena_lock:
-            if self._arena is None and not self._arena_error:
-                name = f"{self.prefix}-{next(self._seq)}"
+            if self._arena is None and not self._arena_error and not self._closed:
                 try:
-                    arena = await anyio.to_thread.run_sync(
-                        Segment.create, name, self.arena_size, self.directory
-                    )
+                    arena = await anyio.to_thread.run_sync(self._new_segment, self.arena_size)
                 except ShmFullError as exc:
                     self._arena_error = str(exc)
                     log.warning("shm arena not created: %s; using per-object segments", exc)
                     return
-                self._alloc = BuddyAllocator(arena.size, min_block=4096)
+                if self.pool.closed:  # closed meanwhile
+                    self._drop_segment(arena)
+                    return
+                self.pool.attach(arena.size)
                 self._arena = arena
 
     # -- sender --------------------------------------------------------------------
@@ -371,48 +390,12 @@ class ShmBackend(ByteBackend):
         if self._closed:
             raise BackendClosedError("shm backend is closed")
         await self._ensure_arena()
-        offset = await self._arena_slot(nbytes)
-        if offset is not None and self._arena is not None:
-            return _ShmExport(self, self._arena, offset, nbytes, dedicated=False)
-        if not self._warned_dedicated:
-            self._warned_dedicated = True
-            log.info(
-                "shm arena (%s) has no free slot for %s: using a dedicated segment; "
-                "raise backend_options['shm']['arena_size'] if this is common",
-                _mib(self.arena_size),
-                _mib(nbytes),
-            )
-        name = f"{self.prefix}-{next(self._seq)}"
-        seg = await anyio.to_thread.run_sync(Segment.create, name, max(nbytes, 1), self.directory)
-        self._dedicated[name] = seg
-        return _ShmExport(self, seg, 0, nbytes, dedicated=True)
-
-    async def _arena_slot(self, nbytes: int) -> int | None:
-        """A slot of the arena, waiting up to ``arena_wait`` for one to be freed."""
-        alloc = self._alloc
-        if alloc is None or alloc.block_size(max(nbytes, 1)) > alloc.capacity:
-            return None
-        offset = alloc.allocate(max(nbytes, 1))
-        if offset is not None:
-            return offset
-        with anyio.move_on_after(self.arena_wait):
-            while True:
-                offset = alloc.allocate(max(nbytes, 1))
-                if offset is not None or self._closed:
-                    return offset
-                self._freed = anyio.Event()
-                await self._freed.wait()
-        return None
-
-    def _free(self, exp: _ShmExport) -> None:
-        if exp.dedicated:
-            seg = self._dedicated.pop(exp.segment.name, None)
-            if seg is not None:
-                seg.unlink(self.directory)
-                seg.close()
-        elif self._alloc is not None and not self._closed:
-            self._alloc.free(exp.offset)
-            self._freed.set()
+        lease = await self.pool.take(nbytes, wait=self.arena_wait, purpose=f"to {peer.name!r}")
+        segment = lease.buffer if lease.buffer is not None else self._arena
+        if segment is None:  # closed meanwhile
+            lease.release()
+            raise BackendClosedError("shm backend is closed")
+        return _ShmExport(self, lease, segment)
 
     # -- receiver ----------------------------------------------------------------------
 
@@ -422,10 +405,7 @@ class ShmBackend(ByteBackend):
         prefix = self._prefixes.get(peer.key)
         if prefix is None:
             raise BackendError(f"{peer.name!r} did not announce shm in its Hello")
-        try:
-            r = _ref_decoder.decode(ref)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            raise BackendError(f"malformed shm reference from {peer.name!r}: {exc}") from None
+        r = decode_blob(_ref_decoder, ref, f"shm reference from {peer.name!r}")
         if not _NAME.match(r.segment) or not r.segment.startswith(prefix + "-"):
             raise BackendError(
                 f"shm reference from {peer.name!r} names segment {r.segment[:80]!r}, "
@@ -471,17 +451,14 @@ class ShmBackend(ByteBackend):
         for prefix in self._prefixes.values():
             self._sweep_prefix(prefix)
         self._prefixes.clear()
-        for seg in self._dedicated.values():
-            seg.unlink(self.directory)
-            seg.close()
-        self._dedicated.clear()
-        if self._arena is not None:
-            self._arena.unlink(self.directory)
-            self._arena.close()
-            self._arena = None
+        await self.pool.aclose()
+        async with self._arena_lock:
+            if self._arena is not None:
+                self._drop_segment(self._arena)
+                self._arena = None
 
     def detail(self) -> dict[str, int]:
         return {
-            "dedicated_segments": len(self._dedicated),
-            "arena_bytes_in_use": self._alloc.bytes_in_use if self._alloc else 0,
+            **self.pool.detail("arena_"),
+            "mapped_segments": sum(len(m) for m in self._mapped.values()),
         }

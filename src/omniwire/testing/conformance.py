@@ -13,12 +13,22 @@ It checks, through real endpoints:
   between this process and a peer process (``two_process = True``, the default)
   or an endpoint in this process (``two_process = False``, for ``local``);
 - stream chunks arrive in order; large objects (progressive announce) arrive whole;
-- ACK and release: after round trips nothing is left in flight and the backend
-  holds no buffer (its ``stats()`` counters return to zero);
+- ACK and release: after round trips nothing is left in flight, and the backends
+  of *both* endpoints hold no handle (the typed :class:`BackendStats` contract:
+  ``stats().idle``, filled by the base class for every backend);
 - credits: a slow consumer makes the sender wait; nothing is dropped;
-- abort: an aborted request's sends fail and its buffers are released on both sides;
-- close semantics and error mapping on bare backend instances: a closed backend
-  refuses work with ``BackendClosedError``; a malformed or foreign reference is a
+- abort: an aborted request's sends end, and its handles are released on both
+  sides (the peer is asked for its backends' stats);
+- declared capabilities against what the backend really does, on two bare
+  instances in this process: the byte layout round trip (in ranges when it
+  declares ``progressive``), ``zero_copy`` (the bytes viewable without a
+  destination), ``mapped`` (viewable right after import), ``two_sided`` (an
+  import closed unfetched keeps later objects paired) or its absence (an export
+  never imported is released cleanly), ``devices`` (export buffers on a declared
+  device), ``max_nbytes``, lent tensors (``export_tensors(..., lent=True)`` yields
+  the packed image), and idempotent, counted handles;
+- close semantics and error mapping: a closed backend refuses export and import
+  with ``BackendClosedError``; a malformed or foreign reference is a
   ``BackendError``, never a crash.
 
 A backend that cannot run here is skipped with its reason — or fails, when
@@ -30,6 +40,7 @@ Needs the ``test`` extra (pytest, hypothesis).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -37,7 +48,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any, ClassVar
 
 import anyio
@@ -47,17 +58,20 @@ import torch
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 from hypothesis import HealthCheck, given, settings
 
-from .. import registry
+from .. import packing, registry
 from ..backends.base import (
+    BackendBase,
     BackendContext,
     BackendStats,
     ByteBackend,
+    Export,
     Locality,
     ObjectBackend,
     PeerInfo,
 )
 from ..endpoint import Endpoint
-from ..errors import BackendClosedError, BackendError, RequestAbortedError
+from ..errors import BackendClosedError, BackendError, OmniwireError, RequestAbortedError
+from ..peer import backend_stats
 from .strategies import assert_payload_equal, payloads
 
 __all__ = ["BackendConformance", "PeerProcess", "require_backend", "to_device"]
@@ -157,15 +171,51 @@ class PeerProcess:
 
 
 class _Harness:
-    """The endpoint under test, living in a portal's event loop, and its peer."""
+    """The endpoint under test, living in a portal's event loop, and its peer (an
+    endpoint of this process, or a peer process)."""
 
-    def __init__(self, portal: BlockingPortal, endpoint: Endpoint, peer: str) -> None:
+    def __init__(
+        self, portal: BlockingPortal, endpoint: Endpoint, peer: str, peer_ep: Endpoint | None
+    ) -> None:
         self.portal = portal
         self.ep = endpoint
         self.peer = peer
+        self.peer_ep = peer_ep
 
     def call(self, fn: Any, *args: Any) -> Any:
         return self.portal.call(fn, *args)
+
+    async def peer_stats(self, backend: str) -> tuple[int, int]:
+        """(exports, imports) alive in the peer's backend ``backend`` (a peer process
+        is asked, see :mod:`omniwire.peer`)."""
+        if self.peer_ep is not None:
+            stats = self.peer_ep.backend(backend).stats()
+            return stats.exports, stats.imports
+        rid = "stats-" + secrets.token_hex(3)
+        with anyio.fail_after(60):
+            receipt = await self.ep.send(
+                self.peer, {"q": 1}, request_id=rid, metadata={"stats": True}
+            )
+            while True:
+                d = await self.ep.receive()
+                d.release()
+                if d.request_id == rid and isinstance(d.payload, dict) and "stats" in d.payload:
+                    await receipt.wait()
+                    exports, imports = d.payload["stats"][backend]
+                    return int(exports), int(imports)
+
+    async def settled(self, backend: str) -> tuple[BackendStats, tuple[int, int]]:
+        """Wait (bounded) until nothing is in flight and both backends hold no handle;
+        returns both sides' stats as they are then."""
+        with anyio.fail_after(60):
+            await self.ep.drain()
+            while True:
+                mine = self.ep.backend(backend).stats()
+                theirs = await self.peer_stats(backend)
+                idle = not any(a or b for a, b in self.ep.in_flight().values())
+                if idle and mine.idle and theirs == (0, 0):
+                    return mine, theirs
+                await anyio.sleep(0.05)
 
     async def round_trip(self, payload: Any, request_id: str, kind: str = "payload") -> Any:
         with anyio.fail_after(60):
@@ -223,6 +273,7 @@ class BackendConformance:
         with start_blocking_portal() as portal:
             peer_proc: PeerProcess | None = None
             peer_ctx = None
+            peer_ep: Endpoint | None = None
             if self.two_process:
                 peer_proc = PeerProcess(
                     other,
@@ -264,7 +315,7 @@ class BackendConformance:
             try:
                 with portal.wrap_async_context_manager(ep):
                     portal.call(ep.wait_peer, other, 30.0)
-                    yield _Harness(portal, ep, other)
+                    yield _Harness(portal, ep, other, peer_ep)
             finally:
                 if peer_ctx is not None:
                     peer_ctx.__exit__(None, None, None)
@@ -278,6 +329,10 @@ class BackendConformance:
 
         async for d in ep:
             async with d:
+                if isinstance(d.metadata, dict) and d.metadata.get("stats"):
+                    stats = {"stats": backend_stats(ep)}
+                    await ep.send(d.from_stage, stats, request_id=d.request_id)
+                    continue
                 if mode == "sink":
                     await anyio.sleep(0.2)
                 else:
@@ -346,17 +401,10 @@ class BackendConformance:
         for i in range(5):
             value = {"x": torch.arange(1000 + i, device=self.device)}
             harness.call(harness.round_trip, value, f"flight-{i}")
-
-        async def settled() -> tuple[dict[str, tuple[int, int]], BackendStats]:
-            with anyio.fail_after(30):
-                await harness.ep.drain()
-                while any(a or b for a, b in harness.ep.in_flight().values()):
-                    await anyio.sleep(0.05)
-            return harness.ep.in_flight(), harness.ep.backend(self.backend).stats()
-
-        in_flight, stats = harness.call(settled)
-        assert all(v == (0, 0) for v in in_flight.values()), in_flight
-        assert stats.idle, f"{self.backend} still holds buffers: {stats}"
+        mine, theirs = harness.call(harness.settled, self.backend)
+        assert isinstance(mine, BackendStats) and mine.idle, mine
+        assert all(isinstance(v, int) for v in mine.detail.values()), mine.detail
+        assert theirs == (0, 0), f"the peer's {self.backend} holds handles: {theirs}"
 
     # -- flow control and abort, against a slow consumer ------------------------------
 
@@ -389,36 +437,35 @@ class BackendConformance:
         assert elapsed >= 0.2  # six sends through two credits to a 0.2 s/delivery consumer
 
     def test_abort_releases_buffers_on_both_sides(self, slow: _Harness) -> None:
-        async def run() -> tuple[list[BaseException | None], BackendStats]:
+        async def run() -> tuple[list[BaseException | None], BackendStats, tuple[int, int]]:
             rid = "abort-" + secrets.token_hex(2)
             receipts = [
                 await slow.ep.send(
                     slow.peer, {"t": torch.ones(1 << 16, device=self.device)}, request_id=rid
                 )
-                for _ in range(2)
+                for _ in range(3)
             ]
             await slow.ep.abort(rid, "test")
-            errors: list[BaseException | None] = []
+            ends: list[BaseException | None] = []
             for r in receipts:
                 try:
                     await r.wait(30)
-                    errors.append(None)
-                except RequestAbortedError as exc:
-                    errors.append(exc)
-            with anyio.fail_after(30):
-                while slow.ep.in_flight()[slow.peer] != (0, 0):
-                    await anyio.sleep(0.05)
-            with pytest.raises(RequestAbortedError):
+                    ends.append(None)
+                except OmniwireError as exc:
+                    ends.append(exc)
+            with pytest.raises(OmniwireError):
                 await slow.ep.send(
                     slow.peer, {"t": torch.ones(4, device=self.device)}, request_id=rid
                 )
-            return errors, slow.ep.backend(self.backend).stats()
+            mine, theirs = await slow.settled(self.backend)
+            return ends, mine, theirs
 
-        errors, stats = slow.call(run)
-        assert any(isinstance(e, RequestAbortedError) for e in errors)
-        assert stats.idle, f"{self.backend} still holds buffers after abort: {stats}"
+        ends, mine, theirs = slow.call(run)
+        assert any(isinstance(e, RequestAbortedError) for e in ends), ends
+        assert mine.idle, f"{self.backend} still holds handles after abort: {mine}"
+        assert theirs == (0, 0), f"the peer's {self.backend} holds handles after abort: {theirs}"
 
-    # -- bare backend instances: close semantics, error mapping ---------------------------
+    # -- bare backend instances: close semantics, error mapping, declared capabilities ----
 
     def _ctx(self, name: str) -> BackendContext:
         return BackendContext(
@@ -426,6 +473,38 @@ class BackendConformance:
             instance=secrets.randbits(32),
             options=self.backend_options.get(self.backend, {}),
         )
+
+    def _export_device(self) -> str:
+        return "cuda:0" if self.device == "cuda" else "cpu"
+
+    @contextlib.asynccontextmanager
+    async def _bare(self, backend_class: type[Any]) -> AsyncIterator[_Bare]:
+        """A sender and a receiver instance that know each other (as after a Hello)."""
+        caps = backend_class.capabilities
+        locality = (
+            Locality.SAME_HOST if Locality.SAME_HOST in caps.localities else min(caps.localities)
+        )
+        a = backend_class(self._ctx("bare-a-" + secrets.token_hex(2)))
+        b = backend_class(self._ctx("bare-b-" + secrets.token_hex(2)))
+        try:
+            with anyio.fail_after(60):
+                await a.start()
+                await b.start()
+
+                def peer(x: BackendBase) -> PeerInfo:
+                    return PeerInfo(
+                        x.ctx.endpoint, x.ctx.instance, os.getpid(), "h", "t", locality, x.hello()
+                    )
+
+                pair = _Bare(a, b, peer(a), peer(b), self._export_device())
+                await a.connect(pair.to_b)
+                await b.connect(pair.to_a)
+            with anyio.fail_after(120):
+                yield pair
+        finally:
+            with anyio.CancelScope(shield=True):
+                await a.aclose()
+                await b.aclose()
 
     def test_closed_backend_refuses_work(self, backend_class: type[Any]) -> None:
         async def run() -> None:
@@ -436,9 +515,11 @@ class BackendConformance:
             peer = PeerInfo("x", 1, os.getpid(), "h", "t", Locality.SAME_HOST, b.hello())
             with pytest.raises(BackendClosedError):
                 if isinstance(b, ByteBackend):
-                    await b.export(peer, 64, "cpu")
+                    await b.export(peer, 64, self._export_device())
                 elif isinstance(b, ObjectBackend):
                     b.export_object(peer, {"x": 1})
+            with pytest.raises(BackendClosedError):
+                await b.import_(peer, b"", 64)
 
         anyio.run(run)
 
@@ -447,21 +528,11 @@ class BackendConformance:
     )
     def test_bad_references_are_backend_errors(self, backend_class: type[Any], info: bytes) -> None:
         async def run() -> None:
-            a = backend_class(self._ctx("a"))
-            b = backend_class(self._ctx("b"))
-            await a.start()
-            await b.start()
-            try:
-                peer_a = PeerInfo(
-                    "a", a.ctx.instance, os.getpid(), "h", "t", Locality.SAME_HOST, a.hello()
-                )
-                await b.connect(peer_a)
+            async with self._bare(backend_class) as p:
                 with pytest.raises(BackendError):
-                    imp = await b.import_(peer_a, info, 64)
+                    imp = await p.b.import_(p.to_a, info, 64)
                     await imp.fetch(0, 64)
-            finally:
-                await a.aclose()
-                await b.aclose()
+                assert p.b.stats().idle
 
         anyio.run(run)
 
@@ -470,3 +541,188 @@ class BackendConformance:
         assert caps.devices and caps.localities
         assert isinstance(backend_class.availability().available, bool)
         assert backend_class.name == self.backend
+        if issubclass(backend_class, ObjectBackend):  # the byte path's promises do not apply
+            assert not (caps.progressive or caps.two_sided or caps.mapped)
+
+    def test_handles_are_counted_and_release_once(self, backend_class: type[Any]) -> None:
+        async def run() -> None:
+            async with self._bare(backend_class) as p:
+                exp = await p.export_bytes(4096, 1)
+                assert p.a.stats().exports == 1 and p.b.stats().imports == 0
+                imp = await p.b.import_(p.to_a, exp.ref, exp.nbytes)
+                assert p.b.stats().imports == 1
+                if isinstance(p.b, ByteBackend):
+                    await imp.fetch(0, exp.nbytes, p.dest(exp.nbytes))
+                for _ in range(2):  # idempotent
+                    imp.close()
+                    exp.release()
+                assert imp.closed and exp.released
+                assert p.a.stats().idle and p.b.stats().idle
+                for stats in (p.a.stats(), p.b.stats()):
+                    assert isinstance(stats, BackendStats)
+                    assert all(isinstance(v, int) for v in stats.detail.values()), stats
+
+        anyio.run(run)
+
+    def test_bytes_arrive_as_the_capabilities_declare(self, backend_class: type[Any]) -> None:
+        """In ranges published one by one when ``progressive``; viewable without a
+        destination when ``zero_copy``; viewable right after import when ``mapped``."""
+        if not issubclass(backend_class, ByteBackend):
+            self.test_declares_valid_capabilities(backend_class)
+            return
+        caps = backend_class.capabilities
+        n = 300_000
+
+        async def run() -> None:
+            async with self._bare(backend_class) as p:
+                exp = await p.export_bytes(n, 7, publish=not caps.progressive)
+                data = p.pattern(n, 7)
+                dest = p.dest(n)
+                imp = await p.b.import_(p.to_a, exp.ref, n)
+                if caps.progressive:  # the first half is readable before the second is out
+                    await exp.publish(0, n // 2)
+                    await imp.fetch(0, n // 2, dest)
+                    assert torch.equal(dest[: n // 2].cpu(), data[: n // 2])
+                    await exp.publish(n // 2, n)
+                    await imp.fetch(n // 2, n, dest)
+                else:
+                    await imp.fetch(0, n, dest)
+                assert torch.equal(dest.cpu(), data)
+                imp.close()
+                exp.release()
+                if caps.zero_copy or caps.mapped:
+                    exp = await p.export_bytes(n, 8)
+                    data = p.pattern(n, 8)
+                    imp = await p.b.import_(p.to_a, exp.ref, n)
+                    if caps.mapped:  # the sender's memory, mapped: no fetch needed to see it
+                        assert imp.buffer is not None and torch.equal(imp.buffer.cpu(), data)
+                    await imp.fetch(0, n)
+                    if caps.zero_copy:
+                        assert imp.buffer is not None and torch.equal(imp.buffer[:n].cpu(), data)
+                    imp.close()
+                    exp.release()
+                assert p.a.stats().idle and p.b.stats().idle
+
+        anyio.run(run)
+
+    def test_two_sided_as_declared(self, backend_class: type[Any]) -> None:
+        """``two_sided``: an import closed unfetched still consumes its object, and the
+        next one arrives intact. Otherwise: an export never imported is simply
+        released, and the next one arrives intact."""
+        if not issubclass(backend_class, ByteBackend):
+            self.test_declares_valid_capabilities(backend_class)
+            return
+        two_sided = backend_class.capabilities.two_sided
+
+        async def run() -> None:
+            async with self._bare(backend_class) as p:
+                skipped = await p.export_bytes(70_000, 1)
+                kept = await p.export_bytes(50_000, 2)
+                if two_sided:
+                    (await p.b.import_(p.to_a, skipped.ref, skipped.nbytes)).close()
+                imp = await p.b.import_(p.to_a, kept.ref, kept.nbytes)
+                dest = p.dest(kept.nbytes)
+                await imp.fetch(0, kept.nbytes, dest)
+                assert torch.equal(dest.cpu(), p.pattern(kept.nbytes, 2))
+                imp.close()
+                skipped.release()
+                kept.release()
+                assert p.a.stats().idle and p.b.stats().idle
+
+        anyio.run(run)
+
+    def test_exports_on_the_declared_devices(self, backend_class: type[Any]) -> None:
+        if not issubclass(backend_class, ByteBackend):
+            self.test_declares_valid_capabilities(backend_class)
+            return
+        caps = backend_class.capabilities
+
+        async def run() -> None:
+            async with self._bare(backend_class) as p:
+                assert isinstance(p.a, ByteBackend)
+                kinds = [k for k in sorted(caps.devices) if k == "cpu" or torch.cuda.is_available()]
+                assert kinds, f"{self.backend} declares no device this machine has"
+                for kind in kinds:
+                    exp = await p.a.export(p.to_b, 4096, "cuda:0" if kind == "cuda" else kind)
+                    assert exp.layout == "packed" and exp.nbytes == 4096
+                    assert exp.buffer is not None and exp.buffer.numel() >= 4096
+                    assert exp.buffer.device.type in caps.devices, exp.buffer.device
+                    exp.release()
+                if caps.max_nbytes is not None:
+                    with pytest.raises(BackendError):
+                        await p.a.export(p.to_b, caps.max_nbytes + 1, p.device)
+                assert p.a.stats().idle
+
+        anyio.run(run)
+
+    def test_lent_tensors_arrive_as_their_packed_image(self, backend_class: type[Any]) -> None:
+        """``export_tensors(..., lent=True)`` either declines (None: the endpoint packs)
+        or carries the tensors so that the peer gets exactly what packing would give."""
+        if not issubclass(backend_class, ByteBackend):
+            self.test_declares_valid_capabilities(backend_class)
+            return
+        device = self._export_device()
+        ts = [
+            torch.arange(20_000, dtype=torch.float32, device=device),
+            torch.empty(0, device=device),
+            torch.arange(77, dtype=torch.int16, device=device),
+        ]
+        layout = packing.plan(ts)
+
+        async def run() -> None:
+            async with self._bare(backend_class) as p:
+                assert isinstance(p.a, ByteBackend)
+                exp = await p.a.export_tensors(p.to_b, ts, lent=True)
+                if exp is None:
+                    assert p.a.stats().idle
+                    return
+                assert exp.nbytes == layout.nbytes
+                if exp.layout == "packed":
+                    await exp.publish(0, exp.nbytes)
+                imp = await p.b.import_(p.to_a, exp.ref, exp.nbytes)
+                if exp.layout == "per_tensor":
+                    await imp.fetch(0, exp.nbytes)
+                    got = list(imp.tensors or [])
+                else:
+                    dest = p.dest(layout.nbytes)
+                    await imp.fetch(0, layout.nbytes, dest)
+                    got = packing.unpack(dest, layout.metas, copy=True)
+                assert len(got) == len(ts)
+                assert all(torch.equal(x.cpu(), y.cpu()) for x, y in zip(ts, got, strict=True))
+                imp.close()
+                exp.release()
+                assert p.a.stats().idle and p.b.stats().idle
+
+        anyio.run(run)
+
+
+class _Bare:
+    """Two bare instances: ``a`` sends to ``b``; ``to_a`` is ``a`` as ``b`` sees it."""
+
+    def __init__(
+        self, a: BackendBase, b: BackendBase, to_a: PeerInfo, to_b: PeerInfo, device: str
+    ) -> None:
+        self.a = a
+        self.b = b
+        self.to_a = to_a
+        self.to_b = to_b
+        self.device = device
+
+    @staticmethod
+    def pattern(n: int, seed: int) -> torch.Tensor:
+        return ((torch.arange(n, dtype=torch.int64) * 31 + seed) % 251).to(torch.uint8)
+
+    def dest(self, n: int) -> torch.Tensor:
+        return torch.zeros(n, dtype=torch.uint8, device=self.device)
+
+    async def export_bytes(self, n: int, seed: int, *, publish: bool = True) -> Export:
+        """An export of ``n`` pattern bytes (an object, for an object backend)."""
+        if isinstance(self.a, ObjectBackend):
+            return self.a.export_object(self.to_b, {"seed": seed, "n": n})
+        assert isinstance(self.a, ByteBackend)
+        exp = await self.a.export(self.to_b, n, self.device)
+        assert exp.buffer is not None and exp.buffer.numel() >= n
+        exp.buffer[:n].copy_(self.pattern(n, seed).to(exp.buffer.device))
+        if publish:
+            await exp.publish(0, n)
+        return exp

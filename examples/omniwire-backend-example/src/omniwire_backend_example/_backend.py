@@ -1,12 +1,17 @@
 """``example_tcp``: an omniwire data-plane backend that moves bytes over plain TCP.
 
-Sender: each object's packed bytes stay in this process — in a slot of a pool (a
-buddy allocator over one CPU buffer) or, when the pool has no room, in a buffer
-of their own — and a small asyncio TCP server, started in :meth:`start` on the
-endpoint's host, serves byte ranges of them to the endpoint they were announced
-to. Receiver: :meth:`fetch` asks the sender for a range over one connection per
-peer (reused across objects, one request at a time under a lock) and reads the
-answer straight into the destination buffer.
+It follows the guide ``docs/backends.md`` ("Write a backend") of the omniwire
+repository: a :class:`~omniwire.backends.ByteBackend` whose handles own their
+release, memory from omniwire's shared slot pool, errors mapped once.
+
+Sender: each object's packed bytes stay in this process — in a slot of a pool
+(:class:`omniwire.backends.pool.SlotPool` over one CPU buffer) or, when the pool
+has no room, in a buffer of their own — and a small asyncio TCP server, started
+in :meth:`TcpBackend.start` on the endpoint's host, serves byte ranges of them to
+the endpoint they were announced to. Receiver: an import's ``fetch`` asks the
+sender for a range over one connection per peer (reused across objects, one
+request at a time under a lock) and reads the answer straight into the
+destination buffer.
 
 The frames are described in :mod:`omniwire_backend_example._protocol`. Nothing is
 pickled: connection info and references are msgspec structures decoded with
@@ -37,17 +42,19 @@ from typing import Any, ClassVar, Literal
 
 import anyio
 import torch
-from omniwire.alloc import BuddyAllocator
 from omniwire.backends.base import (
     Availability,
     BackendContext,
     ByteBackend,
     Capabilities,
-    InboundBuffer,
+    Export,
+    Import,
     Locality,
-    OutboundBuffer,
     PeerInfo,
+    map_errors,
 )
+from omniwire.backends.pool import Lease, SlotPool
+from omniwire.backends.support import check_range
 from omniwire.errors import BackendClosedError, BackendError
 
 from . import _protocol as proto
@@ -68,18 +75,82 @@ PeerKey = tuple[str, int]
 class _Object:
     """Sender side: one announced object and the memory that holds it."""
 
-    __slots__ = ("buffer", "freed", "nbytes", "offset", "owner", "pins", "published")
+    __slots__ = ("buffer", "freed", "lease", "nbytes", "owner", "pins", "published")
 
     def __init__(
-        self, buffer: torch.Tensor, nbytes: int, offset: int | None, owner: PeerKey
+        self, lease: Lease[torch.Tensor], buffer: torch.Tensor, nbytes: int, owner: PeerKey
     ) -> None:
+        self.lease = lease
         self.buffer = buffer
         self.nbytes = nbytes
-        self.offset = offset  # in the pool, or None for a buffer of its own
         self.owner = owner  # the only endpoint that may read it
         self.published = 0  # bytes [0, published) are written
         self.pins = 0  # answers being sent from it right now
         self.freed = False
+
+
+class _TcpExport(Export):
+    """One object, served to its peer until the ACK."""
+
+    def __init__(self, backend: TcpBackend, object_id: int, obj: _Object) -> None:
+        super().__init__(backend, obj.nbytes, obj.buffer[: obj.nbytes])
+        self.tcp = backend
+        self.object_id = object_id
+        self.obj = obj
+        self._ref = proto.encode(proto.Ref(backend.token, object_id, obj.nbytes))
+
+    @property
+    def ref(self) -> bytes:
+        return self._ref
+
+    async def publish(self, lo: int, hi: int) -> None:
+        """Bytes ``[lo, hi)`` may now be served.
+
+        Raises:
+            BackendError: the range leaves a gap after what was published before.
+        """
+        obj = self.obj
+        if lo > obj.published:
+            raise BackendError(
+                f"publish of [{lo}, {hi}) leaves a gap after byte {obj.published} "
+                f"of object {self.object_id}"
+            )
+        obj.published = max(obj.published, min(hi, obj.nbytes))
+
+    def _release(self) -> None:
+        self.tcp._forget(self.object_id)
+
+
+class _TcpImport(Import):
+    """One announced object, read from the sender range by range."""
+
+    def __init__(
+        self, backend: TcpBackend, peer: PeerInfo, nbytes: int, ref: proto.Ref, link: _Link
+    ) -> None:
+        super().__init__(backend, peer, nbytes)
+        self.tcp = backend
+        self.ref = ref
+        self.link = link
+        if nbytes == 0:  # an empty object is never fetched: give it its (empty) buffer now
+            self.buffer = torch.empty(0, dtype=torch.uint8)
+
+    async def fetch(self, lo: int, hi: int, dest: torch.Tensor | None = None) -> None:
+        """Read bytes ``[lo, hi)`` from the sender into ``dest`` (or ``buffer``).
+
+        Raises:
+            BackendError: the sender refused the request (unknown object, bad range),
+                broke the protocol, went away, or did not answer within ``timeout``.
+        """
+        if self.closed:
+            raise BackendError("fetch() on a closed example_tcp object")
+        check_range(lo, hi, self.nbytes, "example_tcp")
+        if hi == lo:
+            return
+        if dest is None:
+            if self.buffer is None:
+                self.buffer = torch.empty(self.nbytes, dtype=torch.uint8)
+            dest = self.buffer
+        await self.tcp._fetch(self, lo, hi, dest)
 
 
 class _Client:
@@ -105,12 +176,14 @@ class _Link:
         self.dead = False
 
 
-class _Inbound:
-    __slots__ = ("link", "ref")
+def _cpu_buffer(nbytes: int) -> torch.Tensor:
+    """Memory for the pool, or a buffer of its own for one object.
 
-    def __init__(self, ref: proto.Ref, link: _Link) -> None:
-        self.ref = ref
-        self.link = link
+    Raises:
+        BackendError: there is none.
+    """
+    with map_errors({RuntimeError: BackendError, MemoryError: BackendError}, "example_tcp"):
+        return torch.empty(max(nbytes, 1), dtype=torch.uint8)
 
 
 class _Refused(Exception):
@@ -199,15 +272,18 @@ class TcpBackend(ByteBackend):
         self._ids = itertools.count(1)
         self._objects: dict[int, _Object] = {}
         self._pinned: set[_Object] = set()  # freed while an answer was being sent
-        self._pool: torch.Tensor | None = None
-        self._alloc: BuddyAllocator | None = None
+        self._region: torch.Tensor | None = None  # the pool's memory, made on first use
+        self.pool: SlotPool[torch.Tensor] = SlotPool(
+            "example_tcp pool",
+            create=_cpu_buffer,
+            option="backend_options['example_tcp']['pool_size']",
+        )
         self._listener: socket.socket | None = None
         self._bound_port = 0
         self._accept_task: asyncio.Task[None] | None = None
         self._served: dict[asyncio.Task[None], _Client] = {}
         # receiver
         self._links: dict[PeerKey, _Link] = {}
-        self._open = 0
         self._closed = False
         self.bytes_served = 0
         self.bytes_fetched = 0
@@ -261,7 +337,7 @@ class TcpBackend(ByteBackend):
         """The port the server listens on (0 before :meth:`start`)."""
         return self._bound_port
 
-    def local_info(self) -> bytes:
+    def hello(self) -> bytes:
         if not self._bound_port:
             return b""  # not started: peers cannot reach this backend
         return proto.encode(proto.HelloInfo(self.advertise_host, self._bound_port, self.token))
@@ -309,79 +385,60 @@ class TcpBackend(ByteBackend):
         self._links.clear()
         self._objects.clear()
         self._pinned.clear()
-        self._alloc = None
-        self._pool = None
+        await self.pool.aclose()
+        self._region = None
 
-    def stats(self) -> dict[str, int]:
+    def detail(self) -> dict[str, int]:
         return {
-            "leases": len(self._objects),
-            "open": self._open,
+            **self.pool.detail(),
             "pinned": len(self._pinned),
             "connections_in": len(self._served),
             "connections_out": sum(1 for link in self._links.values() if link.sock is not None),
-            "pool_bytes_in_use": self._alloc.bytes_in_use if self._alloc is not None else 0,
             "bytes_served": self.bytes_served,
             "bytes_fetched": self.bytes_fetched,
         }
 
     # -- sender ------------------------------------------------------------------------
 
-    async def allocate(self, peer: PeerInfo, nbytes: int, device: str) -> OutboundBuffer:
+    async def export(self, peer: PeerInfo, nbytes: int, device: str) -> Export:
+        """A slot of the pool (or a buffer of its own), served to ``peer`` only.
+
+        Raises:
+            BackendClosedError: the backend is closed.
+            BackendError: no memory.
+        """
         if self._closed:
             raise BackendClosedError("example_tcp backend is closed")
         if nbytes < 0:
-            raise BackendError(f"cannot allocate {nbytes} bytes")
-        offset = None
-        if 0 < nbytes <= self.pool_size:
-            if self._alloc is None:
-                self._pool = torch.empty(self.pool_size, dtype=torch.uint8)
-                self._alloc = BuddyAllocator(self.pool_size, min_block=4096)
-            offset = self._alloc.allocate(nbytes)
-        if offset is not None and self._pool is not None:
-            buffer = self._pool[offset : offset + nbytes]
+            raise BackendError(f"cannot export {nbytes} bytes")
+        if self._region is None and self.pool_size > 0:
+            self._region = _cpu_buffer(self.pool_size)
+            self.pool.attach(self.pool_size)
+        lease = await self.pool.take(nbytes, purpose=f"to {peer.name!r}")
+        if lease.buffer is not None:
+            buffer = lease.buffer
         else:
-            try:
-                buffer = torch.empty(nbytes, dtype=torch.uint8)
-            except (RuntimeError, MemoryError) as exc:
-                raise BackendError(f"cannot allocate {nbytes} bytes: {exc}") from exc
+            assert self._region is not None
+            buffer = self._region[lease.offset : lease.offset + nbytes]
         object_id = next(self._ids)
-        self._objects[object_id] = _Object(buffer, nbytes, offset, peer.key)
-        return OutboundBuffer(peer, nbytes, buffer, handle=object_id)
+        obj = self._objects[object_id] = _Object(lease, buffer, nbytes, peer.key)
+        return _TcpExport(self, object_id, obj)
 
-    async def publish(self, out: OutboundBuffer, lo: int, hi: int) -> None:
-        obj = self._objects.get(out.handle)
-        if obj is None:
-            return  # released meanwhile (abort, peer lost): nobody will read it
-        if lo > obj.published:
-            raise BackendError(
-                f"publish of [{lo}, {hi}) leaves a gap after byte {obj.published} "
-                f"of object {out.handle}"
-            )
-        obj.published = max(obj.published, min(hi, obj.nbytes))
-
-    def describe(self, out: OutboundBuffer) -> bytes:
-        obj = self._objects.get(out.handle)
-        if obj is None:
-            raise BackendError(f"object {out.handle} was already released")
-        return proto.encode(proto.Ref(self.token, out.handle, obj.nbytes))
-
-    def free(self, out: OutboundBuffer) -> None:
-        obj = self._objects.pop(out.handle, None)
+    def _forget(self, object_id: int) -> None:
+        """The export was released: nobody may read the object any more."""
+        obj = self._objects.pop(object_id, None)
         if obj is None:
             return
-        out.buffer = None
         obj.freed = True
         if obj.pins:
             self._pinned.add(obj)  # an answer is still being sent from it
         else:
-            self._release(obj)
+            self._reuse(obj)
 
-    def _release(self, obj: _Object) -> None:
+    def _reuse(self, obj: _Object) -> None:
         self._pinned.discard(obj)
         obj.buffer = torch.empty(0, dtype=torch.uint8)
-        if obj.offset is not None and self._alloc is not None and not self._closed:
-            self._alloc.free(obj.offset)
-            obj.offset = None
+        obj.lease.release()
 
     def _check_read(
         self, key: PeerKey, object_id: int, lo: int, hi: int
@@ -465,7 +522,7 @@ class TcpBackend(ByteBackend):
         self, loop: asyncio.AbstractEventLoop, conn: socket.socket, obj: _Object, lo: int, hi: int
     ) -> None:
         n = hi - lo
-        obj.pins += 1  # free() now defers reusing the memory until the answer is out
+        obj.pins += 1  # a release now defers reusing the memory until the answer is out
         try:
             view = obj.buffer[lo:hi].numpy().data
             if n <= _SMALL:
@@ -477,11 +534,11 @@ class TcpBackend(ByteBackend):
         finally:
             obj.pins -= 1
             if obj.freed and obj.pins == 0:
-                self._release(obj)
+                self._reuse(obj)
 
     # -- receiver ----------------------------------------------------------------------
 
-    async def open(self, peer: PeerInfo, info: bytes, nbytes: int) -> InboundBuffer:
+    async def import_(self, peer: PeerInfo, ref: bytes, nbytes: int) -> Import:
         """Validate a reference from ``peer``.
 
         Raises:
@@ -494,60 +551,39 @@ class TcpBackend(ByteBackend):
         link = self._links.get(peer.key)
         if link is None:
             raise BackendError(f"{peer.name!r} did not announce example_tcp in its Hello")
-        ref = proto.decode_ref(info)
-        if ref.token != link.token:
+        r = proto.decode_ref(ref)
+        if r.token != link.token:
             raise BackendError(
                 f"example_tcp reference from {peer.name!r} names an object of server "
-                f"{ref.token[:16]}…, which is not {peer.name!r}'s"
+                f"{r.token[:16]}…, which is not {peer.name!r}'s"
             )
-        if ref.size != nbytes:
+        if r.size != nbytes:
             raise BackendError(
-                f"example_tcp reference from {peer.name!r} has size {ref.size} != {nbytes}"
+                f"example_tcp reference from {peer.name!r} has size {r.size} != {nbytes}"
             )
-        self._open += 1
-        # An empty object is never fetched: give it its (empty) buffer now.
-        buffer = torch.empty(0, dtype=torch.uint8) if nbytes == 0 else None
-        return InboundBuffer(peer, nbytes, buffer, handle=_Inbound(ref, link))
+        return _TcpImport(self, peer, nbytes, r, link)
 
-    async def fetch(
-        self, inb: InboundBuffer, lo: int, hi: int, dest: torch.Tensor | None = None
-    ) -> None:
-        """Read bytes ``[lo, hi)`` from the sender into ``dest`` (or ``inb.buffer``).
-
-        Raises:
-            BackendError: the sender refused the request (unknown object, bad range),
-                broke the protocol, went away, or did not answer within ``timeout``.
-        """
-        handle = inb.handle
-        if not isinstance(handle, _Inbound):
-            raise BackendError("fetch() on a closed example_tcp object")
-        if not 0 <= lo <= hi <= inb.nbytes:
-            raise BackendError(f"range [{lo}, {hi}) is outside the object of {inb.nbytes} bytes")
-        if hi == lo:
-            return
-        if dest is None:
-            if inb.buffer is None:
-                inb.buffer = torch.empty(inb.nbytes, dtype=torch.uint8)
-            dest = inb.buffer
+    async def _fetch(self, imp: _TcpImport, lo: int, hi: int, dest: torch.Tensor) -> None:
+        """Read bytes ``[lo, hi)`` of ``imp`` into ``dest`` — the one place where socket
+        and protocol errors become BackendErrors."""
         window = dest[lo:hi]
         if window.device.type != "cpu" or window.dtype != torch.uint8 or not window.is_contiguous():
             raise BackendError("example_tcp fetches into contiguous CPU uint8 buffers only")
         view = window.numpy().data
-        link = handle.link
-        peer = inb.peer.name
+        link = imp.link
+        object_id = imp.ref.object_id
+        peer = imp.peer.name
         async with link.lock:
             if link.dead:
                 raise BackendError(f"example_tcp: {peer!r} is gone")
             in_step = False
             try:
                 with anyio.fail_after(self.timeout):
-                    await self._read(link, handle.ref.object_id, lo, hi, view)
+                    await self._read(link, object_id, lo, hi, view)
                 in_step = True
             except _Refused as exc:
                 in_step = True
-                raise BackendError(
-                    f"{peer!r} refused to serve object {handle.ref.object_id}: {exc}"
-                ) from None
+                raise BackendError(f"{peer!r} refused to serve object {object_id}: {exc}") from None
             except TimeoutError as exc:
                 raise BackendError(
                     f"example_tcp: {peer!r} did not serve bytes [{lo}, {hi}) "
@@ -604,13 +640,6 @@ class TcpBackend(ByteBackend):
             raise
         link.sock = sock
         return sock
-
-    def close(self, inb: InboundBuffer) -> None:
-        if inb.handle is None:
-            return
-        inb.handle = None
-        inb.buffer = None  # delivered tensors keep their own reference
-        self._open -= 1
 
     def _drop_link(self, link: _Link) -> None:
         link.dead = True

@@ -1,0 +1,414 @@
+"""The mooncake backend: exports in the registered pool (or the caller's lent
+tensors), imports read with the engine. See the package docstring."""
+
+from __future__ import annotations
+
+import logging
+from typing import ClassVar, Literal
+
+import anyio
+import torch
+
+from ...errors import BackendClosedError, BackendError
+from ..base import (
+    Availability,
+    BackendContext,
+    ByteBackend,
+    Capabilities,
+    Export,
+    Import,
+    Locality,
+    PeerInfo,
+    copy_range,
+)
+from ..pool import Lease, SlotPool
+from ..support import (
+    LentExport,
+    RegistrationCache,
+    Releaser,
+    TransferTimeoutError,
+    check_range,
+    lend,
+    mib,
+)
+from . import _blobs as blobs
+from ._engine import Engine, import_error, read, shared_engine
+from ._memory import Registered, new_pool, registration_cache
+
+__all__ = ["MooncakeBackend"]
+
+log = logging.getLogger("omniwire.mooncake")
+
+INSTALL_HINT = 'pip install "omniwire[mooncake]"'
+APT_HINT = "apt-get install libibverbs1 libnl-3-200 libnl-route-3-200"
+
+
+class _Export(Export):
+    """A slot of the pool, or a dedicated registered buffer, until the ACK."""
+
+    def __init__(self, backend: MooncakeBackend, lease: Lease[Registered], view: torch.Tensor):
+        super().__init__(backend, lease.nbytes, view)
+        self.lease = lease
+        self.session = backend.engine.session
+        self.addr = lease.buffer.addr if lease.buffer is not None else 0
+
+    @property
+    def ref(self) -> bytes:
+        if self.lease.buffer is None:
+            return blobs.encode(blobs.Ref(self.session, self.lease.offset, self.nbytes))
+        return blobs.encode(blobs.Ref(self.session, 0, self.nbytes, dedicated=self.addr))
+
+    def _release(self) -> None:
+        self.lease.release()
+
+
+class _Import(Import):
+    """Reads of the peer's spans, into ``dest`` or into a landing slot of our pool."""
+
+    def __init__(
+        self,
+        backend: MooncakeBackend,
+        peer: PeerInfo,
+        nbytes: int,
+        session: str,
+        spans: list[tuple[int, int, int]],
+    ) -> None:
+        super().__init__(backend, peer, nbytes)
+        self.mc = backend
+        self.session = session
+        self.spans = spans
+        self.landing: Lease[Registered] | None = None
+        self.busy = 0
+        if nbytes == 0:
+            self.buffer = torch.empty(0, dtype=torch.uint8)
+
+    async def fetch(self, lo: int, hi: int, dest: torch.Tensor | None = None) -> None:
+        mc = self.mc
+        engine = mc._check_open()
+        if self.closed:
+            raise BackendError("mooncake: fetch() on a closed import")
+        if self.peer.key not in mc._peers:
+            raise BackendError(f"mooncake: {self.peer.name!r} is gone (disconnected)")
+        check_range(lo, hi, self.nbytes, "mooncake")
+        if hi == lo:
+            return
+        direct = (
+            dest is not None
+            and mc.register_dest
+            and dest.device.type == "cpu"
+            and dest.dtype == torch.uint8
+            and dest.dim() == 1
+            and dest.is_contiguous()
+            and dest.numel() >= hi
+        )
+        self.busy += 1
+        mc._enter()
+        try:
+            if direct:
+                assert dest is not None
+                await self._read(engine, dest[lo:hi].data_ptr() - lo, lo, hi, register=True)
+            else:
+                landing = self.landing
+                if landing is None:
+                    landing = self.landing = await mc.pool.take(
+                        self.nbytes, purpose=f"from {self.peer.name!r}"
+                    )
+                    self.buffer = mc._view(landing)
+                base = landing.buffer.addr if landing.buffer is not None else mc._pool_addr
+                try:
+                    await self._read(engine, base + max(landing.offset, 0), lo, hi)
+                except TransferTimeoutError:
+                    self.landing = None  # never reused: the read may still land in it
+                    landing.quarantine()
+                    raise
+                if dest is not None:
+                    assert self.buffer is not None
+                    await copy_range(dest, self.buffer, lo, hi)
+        finally:
+            self.busy -= 1
+            mc._leave()
+            self._settle()  # closed meanwhile: give the landing back now
+        mc.counters["reads"] += 1
+        mc.counters["bytes_read"] += hi - lo
+
+    async def _read(
+        self, engine: Engine, local: int, lo: int, hi: int, *, register: bool = False
+    ) -> None:
+        """Read bytes ``[lo, hi)`` of the object to ``local + lo`` and onwards."""
+        reads = []
+        for at, remote, length in self.spans:
+            a, b = max(lo, at), min(hi, at + length)
+            if a < b:
+                reads.append((local + a, remote + (a - at), b - a))
+        timeout = self.mc.timeout + (hi - lo) / 100e6
+        peer = self.peer
+
+        def run() -> None:
+            if register:
+                engine.register(local + lo, hi - lo)
+            try:
+                read(engine, self.session, reads, timeout, lambda: peer.key not in self.mc._peers)
+            finally:
+                if register:
+                    engine.unregister(local + lo)
+
+        try:
+            await anyio.to_thread.run_sync(run)
+        except BackendError as exc:
+            raise type(exc)(
+                f"{exc} (peer {peer.name!r}, bytes [{lo}, {hi}) of a {self.nbytes}-byte object)"
+            ) from None
+
+    def _close(self) -> None:
+        self._settle()
+
+    def _settle(self) -> None:
+        """Once closed and no read is in flight, the landing slot is free."""
+        if self.closed and not self.busy:
+            landing, self.landing = self.landing, None
+            if landing is not None:
+                landing.release()
+
+
+class MooncakeBackend(ByteBackend):
+    """Options: ``protocol`` ("tcp" | "rdma"), ``device_name``, ``host``, ``pool_size``
+    (bytes, default 64 MiB), ``register_dest`` (bool), ``timeout`` (s), ``engine`` (an
+    :class:`~omniwire.backends.mooncake.Engine` to use instead of the process's
+    Mooncake engine). See the package docstring."""
+
+    name: ClassVar[str] = "mooncake"
+    summary: ClassVar[str] = (
+        "Mooncake Transfer Engine (P2P handshake): the receiver reads from the sender's "
+        "registered pool"
+    )
+    install_hint: ClassVar[str] = INSTALL_HINT
+    auto_start: ClassVar[Literal["always", "tcp", "never"]] = "tcp"
+    needs_gpu: ClassVar[bool] = False
+    capabilities: ClassVar[Capabilities] = Capabilities(
+        devices=frozenset({"cpu"}),
+        localities=frozenset({Locality.SAME_HOST, Locality.CROSS_HOST}),
+        progressive=True,
+        zero_copy=True,
+        preference=60,
+    )
+
+    def __init__(self, ctx: BackendContext, *, engine: Engine | None = None) -> None:
+        super().__init__(ctx)
+        opts = ctx.options
+        try:
+            self.protocol = str(opts.get("protocol", "tcp"))
+            self.device_name = str(opts.get("device_name", ""))
+            self.host = str(opts.get("host", ctx.host))
+            self.pool_size = int(opts.get("pool_size", 64 << 20))
+            self.register_dest = bool(opts.get("register_dest", self.protocol == "tcp"))
+            self.timeout = float(opts.get("timeout", 60.0))
+        except (TypeError, ValueError) as exc:
+            raise BackendError(f"mooncake: bad options {dict(opts)!r}: {exc}") from None
+        if not self.protocol or not self.host or self.pool_size < 0 or self.timeout <= 0:
+            raise BackendError(
+                f"mooncake: bad options {dict(opts)!r} (protocol and host must be non-empty, "
+                "pool_size >= 0, timeout > 0)"
+            )
+        self._given_engine = engine if engine is not None else opts.get("engine")
+        self._engine: Engine | None = None
+        self._region: Registered | None = None
+        self._pool_addr = 0
+        self._hello = b""
+        self._releaser = Releaser("omniwire-mooncake")
+        self._pool: SlotPool[Registered] | None = None
+        self._registrations: RegistrationCache[int] | None = None
+        self._peers: dict[tuple[str, int], blobs.PiecesHello] = {}
+        self._busy = 0
+        self._idle = anyio.Event()
+        self._idle.set()
+        self._closed = False
+        self.counters = {"reads": 0, "bytes_read": 0, "lent": 0}
+
+    # -- lifecycle ---------------------------------------------------------------------
+
+    @classmethod
+    def availability(cls) -> Availability:
+        error = import_error()
+        if error is None:
+            return Availability.ok()
+        hint = INSTALL_HINT
+        if any(lib in error for lib in ("libibverbs", "libnl", "librdmacm")):
+            hint = f"{APT_HINT} (the engine links against them), then {INSTALL_HINT}"
+        return Availability.missing(error, hint)
+
+    @property
+    def engine(self) -> Engine:
+        return self._check_open()
+
+    @property
+    def pool(self) -> SlotPool[Registered]:
+        if self._pool is None:
+            raise BackendError("mooncake backend was not started")
+        return self._pool
+
+    @property
+    def registrations(self) -> RegistrationCache[int]:
+        if self._registrations is None:
+            raise BackendError("mooncake backend was not started")
+        return self._registrations
+
+    async def start(self) -> None:
+        """Start (or join) the engine and register the pool.
+
+        Raises:
+            BackendClosedError: the backend is closed.
+            BackendError: the engine cannot start or the pool cannot be registered.
+        """
+        if self._engine is not None:
+            return
+        if self._closed:
+            raise BackendClosedError("mooncake backend is closed")
+        given = self._given_engine
+        engine: Engine = (
+            given
+            if given is not None
+            else await anyio.to_thread.run_sync(
+                shared_engine, self.host, self.protocol, self.device_name
+            )
+        )
+        pool = new_pool(engine, self._releaser)
+        if self.pool_size > 0:
+            region = await anyio.to_thread.run_sync(Registered, engine, self.pool_size)
+            pool.attach(self.pool_size)
+            self._region, self._pool_addr = region, region.addr
+        self._engine, self._pool = engine, pool
+        self._registrations = registration_cache(engine, self._releaser)
+        self._hello = blobs.encode(
+            blobs.PiecesHello(
+                engine.session, self.protocol, self._pool_addr, pool.capacity, pieces=True
+            )
+        )
+        log.debug(
+            "mooncake engine %s (%s, pool %s)", engine.session, self.protocol, mib(pool.capacity)
+        )
+
+    def hello(self) -> bytes:
+        return self._hello
+
+    async def connect(self, peer: PeerInfo) -> None:
+        self._peers[peer.key] = blobs.decode_hello(peer, self.protocol)
+
+    async def disconnect(self, peer: PeerInfo) -> None:
+        """Forget the peer: its references no longer import, reads from it fail.
+
+        Handles still alive for it are released by their owners (the endpoint always
+        does): releasing them here could hand a slot to another object while a pack
+        still writes into it or a zero-copy view still reads it.
+        """
+        self._peers.pop(peer.key, None)
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        # reads in flight write into our memory: let them finish (they are bounded by
+        # the read timeout) before anything is unregistered
+        while self._busy:
+            await self._idle.wait()
+        self._peers.clear()
+        engine, self._engine = self._engine, None
+        if self._pool is not None:
+            await self._pool.aclose()
+        cached = self._registrations.clear() if self._registrations is not None else []
+        region, self._region = self._region, None
+
+        def teardown() -> None:
+            self._releaser.stop()
+            if engine is not None:
+                for addr in cached:
+                    try:
+                        engine.unregister(addr)
+                    except BackendError as exc:
+                        log.warning("%s", exc)
+            # The engine stays (shared, see the package docstring): a peer may still be
+            # reading this memory through it, so it is emptied and kept, not unmapped.
+            if region is not None:
+                region.release()
+
+        await anyio.to_thread.run_sync(teardown)
+
+    def detail(self) -> dict[str, int]:
+        pool = self._pool.detail() if self._pool is not None else {}
+        regs = self._registrations
+        return {
+            **pool,
+            "reads_in_flight": self._busy,
+            "registrations": len(regs) if regs is not None else 0,
+            **self.counters,
+        }
+
+    # -- helpers -------------------------------------------------------------------------
+
+    def _check_open(self) -> Engine:
+        if self._closed:
+            raise BackendClosedError("mooncake backend is closed")
+        if self._engine is None:
+            raise BackendError("mooncake backend was not started")
+        return self._engine
+
+    def _view(self, lease: Lease[Registered]) -> torch.Tensor:
+        if lease.buffer is not None:
+            return lease.buffer.tensor[: lease.nbytes]
+        assert self._region is not None
+        return self._region.tensor[lease.offset : lease.offset + lease.nbytes]
+
+    def _enter(self) -> None:
+        if self._busy == 0:
+            self._idle = anyio.Event()
+        self._busy += 1
+
+    def _leave(self) -> None:
+        self._busy -= 1
+        if self._busy == 0:
+            self._idle.set()
+
+    # -- sender ------------------------------------------------------------------------
+
+    async def export(self, peer: PeerInfo, nbytes: int, device: str) -> Export:
+        self._check_open()
+        lease = await self.pool.take(nbytes, purpose=f"to {peer.name!r}")
+        return _Export(self, lease, self._view(lease))
+
+    async def export_tensors(
+        self, peer: PeerInfo, tensors: list[torch.Tensor], *, lent: bool
+    ) -> Export | None:
+        """Lent CPU tensors are registered (cached) and read by the peer in place; else
+        None (the endpoint packs into :meth:`export`)."""
+        self._check_open()
+        hello = self._peers.get(peer.key)
+        if not lent or hello is None or not hello.pieces:
+            return None
+        lent_image = await lend(self.registrations, tensors, frozenset({"cpu"}))
+        if lent_image is None:
+            return None
+        pieces, nbytes, acquired = lent_image
+        ref = blobs.PiecesRef(
+            self.engine.session,
+            0,
+            nbytes,
+            pieces=[blobs.Piece(p.at, p.addr, p.nbytes) for p in pieces],
+        )
+        self.counters["lent"] += 1
+        return LentExport(
+            self,
+            nbytes,
+            blobs.encode(ref),
+            self.registrations,
+            [key for key, _ in acquired],
+            [p.tensor for p in pieces],
+        )
+
+    # -- receiver ----------------------------------------------------------------------
+
+    async def import_(self, peer: PeerInfo, ref: bytes, nbytes: int) -> Import:
+        self._check_open()
+        hello = self._peers.get(peer.key)
+        if hello is None:
+            raise BackendError(f"{peer.name!r} did not announce mooncake in its Hello")
+        spans = blobs.spans(ref, hello, nbytes, peer.name)
+        return _Import(self, peer, nbytes, hello.session, spans)

@@ -1,0 +1,190 @@
+"""mooncake's raw engine calls, behind the :class:`Engine` seam.
+
+:class:`Engine` is everything the backend asks of the Mooncake Transfer Engine.
+:class:`TransferEngine` implements it with ``mooncake.engine``; a test (or an
+application with its own engine) passes another object with the same methods as
+``MooncakeBackend(ctx, engine=...)`` or ``backend_options={"mooncake": {"engine": ...}}``.
+
+The engine's calls return int codes and never raise: :class:`TransferEngine`
+checks every code, once, here. Its calls block: run them in worker threads.
+
+A process runs one engine per ``(host, protocol, device_name)``, shared by its
+mooncake backends and kept until the process exits: stopping an engine holds the
+GIL for about a second (its handshake listener polls once a second), which would
+freeze every thread of the process.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+from ...errors import BackendError
+from ..support import TransferTimeoutError, poll_until
+
+__all__ = ["Engine", "TransferEngine", "import_error", "read", "shared_engine"]
+
+
+class Engine(Protocol):
+    """The raw calls of a started transfer engine (blocking; every failure is a
+    :class:`~omniwire.errors.BackendError`)."""
+
+    #: ``host:rpc_port``: how peers name this engine.
+    session: str
+
+    def register(self, addr: int, length: int) -> None:
+        """Let peers read ``[addr, addr + length)`` of this process."""
+
+    def unregister(self, addr: int) -> None:
+        """Undo :meth:`register` of the region starting at ``addr``."""
+
+    def submit_read(self, session: str, local: int, remote: int, length: int) -> int:
+        """Start reading ``length`` bytes at ``remote`` of ``session`` into ``local``;
+        returns a batch id for :meth:`status`."""
+
+    def status(self, batch: int) -> int:
+        """1: done (the batch is freed), 0: in progress, -2: timed out in the engine,
+        other negative: failed."""
+
+
+@functools.cache
+def import_error() -> str | None:
+    """Why ``mooncake.engine`` cannot be imported here, or None (cached)."""
+    os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+    try:
+        importlib.import_module("mooncake.engine")
+    except (ImportError, OSError) as exc:
+        return f"cannot import mooncake.engine: {exc}"
+    return None
+
+
+class TransferEngine:
+    """A started ``mooncake.engine.TransferEngine`` (``P2PHANDSHAKE``, no metadata
+    server) with checked calls.
+
+    Raises:
+        BackendError: it cannot be loaded or started.
+    """
+
+    def __init__(self, host: str, protocol: str, device_name: str = "") -> None:
+        os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+        try:
+            engine = importlib.import_module("mooncake.engine").TransferEngine()
+        except (ImportError, OSError) as exc:
+            raise BackendError(f"mooncake: cannot load the transfer engine: {exc}") from exc
+        rc = engine.initialize(host, "P2PHANDSHAKE", protocol, device_name)
+        if rc != 0:
+            raise BackendError(
+                f"mooncake: TransferEngine.initialize({host!r}, 'P2PHANDSHAKE', {protocol!r}, "
+                f"{device_name!r}) failed with code {rc}"
+            )
+        self._te: Any = engine
+        self.session = f"{host}:{engine.get_rpc_port()}"
+
+    def register(self, addr: int, length: int) -> None:
+        _check(self._te.register_memory(addr, length), f"register_memory(0x{addr:x}, {length})")
+
+    def unregister(self, addr: int) -> None:
+        _check(self._te.unregister_memory(addr), f"unregister_memory(0x{addr:x})")
+
+    def submit_read(self, session: str, local: int, remote: int, length: int) -> int:
+        batch = int(self._te.batch_transfer_async_read(session, [local], [remote], [length]))
+        if batch == 0 or batch >= 2**63:  # 0: submit failed; (uint64)-1: no such segment
+            code = batch if batch < 2**63 else batch - 2**64
+            raise BackendError(
+                f"mooncake: cannot submit a read of {length} bytes at 0x{remote:x} from "
+                f"session {session} (code {code})"
+            )
+        return batch
+
+    def status(self, batch: int) -> int:
+        return int(self._te.transfer_check_status(batch))
+
+
+def _check(rc: int, what: str) -> None:
+    if rc != 0:
+        raise BackendError(f"mooncake: {what} failed with code {rc}")
+
+
+def read(
+    engine: Engine,
+    session: str,
+    reads: Sequence[tuple[int, int, int]],
+    timeout: float,
+    cancelled: Callable[[], bool] | None = None,
+    *,
+    spin: bool = False,
+) -> None:
+    """Read each ``(local, remote, length)`` of ``session`` and wait for all of them
+    (blocking). One batch per read: the engine's status call checks one task.
+
+    Raises:
+        TransferTimeoutError: not all done within ``timeout`` (they may still land).
+        BackendError: the engine refused or failed a read; the others were waited for.
+    """
+    pending: list[tuple[int, int, int]] = []
+    failures: list[str] = []
+
+    def done() -> bool:
+        for item in list(pending):
+            batch, remote, length = item
+            rc = engine.status(batch)
+            if rc == 0:
+                continue
+            pending.remove(item)
+            if rc != 1:
+                how = "timed out in the engine" if rc == -2 else "failed"
+                failures.append(f"read of {length} bytes at 0x{remote:x} {how} (code {rc})")
+        return not pending
+
+    what = f"mooncake: read of {sum(r[2] for r in reads)} bytes from session {session}"
+    try:
+        for local, remote, length in reads:
+            pending.append((engine.submit_read(session, local, remote, length), remote, length))
+    except BackendError:
+        if pending:  # those already submitted may still land: wait for them first
+            try:
+                poll_until(done, timeout=timeout, what=what)
+            except TransferTimeoutError:
+                raise
+            except BackendError:
+                pass
+        raise
+    poll_until(done, timeout=timeout, what=what, cancelled=cancelled, spin=spin)
+    if failures:
+        raise BackendError(f"mooncake: {failures[0]} from session {session}")
+
+
+_engines: dict[tuple[str, str, str], TransferEngine] = {}
+_engines_lock = threading.Lock()
+_inherited: list[TransferEngine] = []  # engines of the parent of a fork: never touched again
+
+
+def _forget_engines_after_fork() -> None:
+    # Their threads did not survive the fork; destroying them would join ghosts.
+    _inherited.extend(_engines.values())
+    _engines.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_engines_after_fork)
+
+
+def shared_engine(host: str, protocol: str, device_name: str) -> TransferEngine:
+    """This process's engine for ``(host, protocol, device_name)``, started on first use.
+
+    Blocking (run it in a thread).
+
+    Raises:
+        BackendError: the engine cannot start.
+    """
+    key = (host, protocol, device_name)
+    with _engines_lock:
+        engine = _engines.get(key)
+        if engine is None:
+            engine = _engines[key] = TransferEngine(host, protocol, device_name)
+        return engine

@@ -1,0 +1,56 @@
+"""``nixl``: NVIDIA NIXL agents over UCX, pull model (one-sided READs).
+
+Files: ``_blobs`` (Hello info and references, validated), ``_engine`` (the raw
+NIXL calls behind the :class:`Agent` seam, errors mapped once), ``_memory``
+(registrations: the pools' regions and dedicated buffers, the lent tensors'
+registration cache), ``_backend`` (the backend, its handles, and what it knows of
+each peer's agent).
+
+Each backend instance runs one NIXL agent under a unique name and registers one
+**pool** of memory with it, once: pre-faulted host memory (``DRAM``), plus an
+optional ``VRAM`` pool on a CUDA device (``vram_pool_size``). The shared slot
+pool (:mod:`omniwire.backends.pool`) carves them into slots; an object that finds
+no free slot gets a dedicated registration, released with its export. Receivers
+always land the bytes in host memory (the backend declares devices ``{"cpu"}``):
+a VRAM pool only spares a sender of CUDA tensors the staging copy.
+
+Data flow (pull): the sender packs into its slot and announces it; the receiver's
+agent **reads** each announced range ``[lo, hi)`` straight from the sender's slot
+(``initialize_xfer("READ", ...)``, ``transfer``, then ``check_xfer_state`` polled
+by :func:`~omniwire.backends.support.poll_until` in a worker thread; the transfer
+is released afterwards, always). The sender's agent is passive: it learns that
+the object was taken from omniwire's ACK, so reads carry no NIXL notification.
+
+**Lent tensors** (``send(..., lend=True)``, CPU tensors, contiguous): no packing.
+The sender registers each tensor's storage with its agent (cached for the next
+send of the same memory) and announces each registration's partial metadata and
+where each tensor's bytes are; the receiver loads the registrations (once per
+registration) and reads every piece to its place in one READ. The caller must not
+modify the tensors until the send's receipt completes.
+
+Where the receiver reads into:
+
+- zero-copy (no ``dest``): a slot of its own registered pool (or a dedicated
+  registration); the delivered tensors view it until the import is closed;
+- copy mode (``dest`` given), objects of at least ``register_dest_min`` bytes: the
+  destination itself is registered for the object and the bytes are read straight
+  into it, then it is deregistered (UCX caches registrations of reused memory: a few
+  microseconds). Below about 256 KiB reading into an own slot and copying is as
+  fast.
+
+Blob formats: see :mod:`omniwire.backends.nixl._blobs`.
+
+Options (``backend_options={"nixl": {...}}``): ``pool_size`` (bytes, default
+128 MiB), ``vram_pool_size`` (bytes, default 0), ``cuda_device`` (index, default
+the current device), ``register_dest_min`` (bytes, default 256 KiB), ``timeout``
+(seconds one read may take, default 30 plus 1 s per 50 MB), ``agent_factory`` (a
+callable returning an :class:`Agent` for a name, instead of a NIXL agent).
+
+Environment: UCX reads ``UCX_*`` variables (tests pin ``UCX_NET_DEVICES=lo``);
+``NIXL_LOG_LEVEL`` sets NIXL's Python log level.
+"""
+
+from ._backend import NixlBackend
+from ._engine import Agent, NixlAgent
+
+__all__ = ["Agent", "NixlAgent", "NixlBackend"]

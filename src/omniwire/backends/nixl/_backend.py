@@ -1,0 +1,646 @@
+"""The nixl backend: exports in a registered pool (or the caller's lent tensors),
+imports read with one-sided READs. See the package docstring."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Hashable
+from typing import ClassVar, Literal
+
+import anyio
+import torch
+
+from ...errors import BackendClosedError, BackendError
+from ..base import (
+    Availability,
+    BackendContext,
+    ByteBackend,
+    Capabilities,
+    Export,
+    Import,
+    Locality,
+    PeerInfo,
+)
+from ..pool import Lease, SlotPool
+from ..support import LentExport, RegistrationCache, Releaser, check_range, lend
+from . import _blobs as blobs
+from ._blobs import Lent, Mem, Region, Span
+from ._engine import (
+    Agent,
+    AgentFactory,
+    NixlAgent,
+    Registration,
+    StuckRead,
+    agent_name,
+    check_agent,
+    load_api,
+    load_checked,
+    read,
+)
+from ._memory import LentRegistration, Memory, new_pool, registration_cache
+
+__all__ = ["NixlBackend"]
+
+log = logging.getLogger("omniwire.nixl")
+
+INSTALL_HINT = 'pip install "omniwire[nixl]"'
+#: Stale dedicated regions of a peer kept loaded before its metadata is reloaded.
+MAX_STALE = 64
+
+
+class _Pool:
+    """One registered pool: its index in the Hello, its region, its slots."""
+
+    def __init__(self, index: int, memory: Memory, slots: SlotPool[Memory]) -> None:
+        self.index = index
+        self.memory = memory
+        self.slots = slots
+
+
+class _Export(Export):
+    """A slot of a pool, or a dedicated registration, until the ACK."""
+
+    def __init__(self, backend: NixlBackend, pool: _Pool, lease: Lease[Memory]) -> None:
+        if lease.buffer is not None:
+            view = lease.buffer.tensor[: lease.nbytes]
+        else:
+            view = pool.memory.tensor[lease.offset : lease.offset + lease.nbytes]
+        super().__init__(backend, lease.nbytes, view)
+        self.pool = pool
+        self.lease = lease
+
+    @property
+    def ref(self) -> bytes:
+        memory = self.lease.buffer
+        if memory is None:
+            return blobs.encode(blobs.Ref(self.pool.index, self.lease.offset, self.nbytes))
+        return blobs.encode(
+            blobs.Ref(blobs.DEDICATED, 0, self.nbytes, memory.region, memory.metadata)
+        )
+
+    async def publish(self, lo: int, hi: int) -> None:
+        buffer = self.buffer
+        if buffer is not None and buffer.is_cuda:  # packing may still be queued
+            await anyio.to_thread.run_sync(torch.cuda.synchronize, buffer.device)
+
+    def _release(self) -> None:
+        self.lease.release()
+
+
+class _Loaded:
+    """A registration of a peer (dedicated or lent) made known to our agent."""
+
+    __slots__ = ("metadata", "region", "users")
+
+    def __init__(self, region: Region, metadata: bytes) -> None:
+        self.region = region
+        self.metadata = metadata
+        self.users = 0
+
+
+class _Remote:
+    """What the receiver knows of a peer's agent."""
+
+    def __init__(self, peer: PeerInfo, hello: blobs.PiecesHello) -> None:
+        self.peer = peer.name
+        self.key = peer.key
+        self.agent = hello.agent
+        self.metadata = hello.metadata
+        self.pools = list(hello.pools)
+        self.pieces = hello.pieces
+        self.alive = True
+        self.active = 0  # reads in flight
+        self.idle: anyio.Event | None = None
+        self.refreshing: anyio.Event | None = None
+        self.lock = anyio.Lock()  # loads of registrations and reloads
+        self.loaded: dict[tuple[int, int, int, str], _Loaded] = {}
+
+
+class _Import(Import):
+    """READs of the peer's spans, into ``dest`` (registered) or a landing slot."""
+
+    def __init__(
+        self,
+        backend: NixlBackend,
+        peer: PeerInfo,
+        nbytes: int,
+        remote: _Remote,
+        spans: list[Span],
+        loaded: list[_Loaded],
+    ) -> None:
+        super().__init__(backend, peer, nbytes)
+        self.nx = backend
+        self.remote = remote
+        self.spans = spans
+        self.loaded = loaded
+        self.landing: Lease[Memory] | None = None
+        self.dest: torch.Tensor | None = None
+        self.dest_registration: Registration | None = None
+        self.what = f"an object of {nbytes} B from {remote.peer!r}"
+        if nbytes == 0:
+            self.buffer = torch.empty(0, dtype=torch.uint8)
+
+    async def fetch(self, lo: int, hi: int, dest: torch.Tensor | None = None) -> None:
+        nx = self.nx
+        agent = nx._live_agent()
+        if self.closed:
+            raise BackendError("nixl: fetch on a closed import")
+        check_range(lo, hi, self.nbytes, "nixl")
+        if hi == lo:
+            return
+        remote = self.remote
+        while remote.refreshing is not None:
+            await remote.refreshing.wait()
+        if not remote.alive:
+            raise BackendError(f"nixl: peer {remote.peer!r} is gone")
+        direct = (
+            dest is not None
+            and self.nbytes >= nx.register_dest_min
+            and dest.dtype == torch.uint8
+            and dest.dim() == 1
+            and dest.is_contiguous()
+            and dest.numel() >= hi
+            and dest.device.type in ("cpu", "cuda")
+        )
+        if not direct and self.landing is None:
+            self.landing = await nx.landing_pool().slots.take(self.nbytes, purpose="receive")
+            if dest is None:
+                self.buffer = self._landing_view()
+        if (
+            direct
+            and dest is not None
+            and self.dest is not None
+            and (self.dest.data_ptr(), self.dest.numel()) != (dest.data_ptr(), dest.numel())
+        ):
+            self._drop_dest()  # another destination than the last fetch's
+        register = direct and self.dest_registration is None
+        timeout = nx.timeout_for(hi - lo)
+
+        def run() -> None:
+            if direct:
+                assert dest is not None
+                kind: Mem = "VRAM" if dest.is_cuda else "DRAM"
+                dev = dest.device.index or 0
+                if self.dest_registration is None:
+                    region = Region(dest.data_ptr(), dest.numel(), dev, kind)
+                    self.dest_registration = agent.register(region)
+                    self.dest = dest
+                base, local = dest.data_ptr(), (dev, str(kind))
+            else:
+                base, local = self._landing_addr()
+            for (dev, mem), group in self._groups(lo, hi):
+                read(
+                    agent,
+                    [(base + at, addr, n) for at, addr, n in group],
+                    local,
+                    remote.agent,
+                    (dev, mem),
+                    timeout,
+                    self.what,
+                    lambda: not remote.alive or nx._closed,
+                )
+            if direct and hi == self.nbytes and self.dest_registration is not None:
+                registration, self.dest_registration, self.dest = self.dest_registration, None, None
+                agent.deregister(registration)
+            elif not direct and dest is not None:
+                dest[lo:hi].copy_(self._landing_view()[lo:hi])
+
+        error: BackendError | None = None
+        nx._active += 1
+        remote.active += 1
+        try:
+            await anyio.to_thread.run_sync(run)
+        except BackendError as exc:
+            error = exc
+        finally:
+            nx._active -= 1
+            remote.active -= 1
+            if remote.active == 0 and remote.idle is not None:
+                remote.idle.set()
+            if nx._active == 0 and nx._idle is not None:
+                nx._idle.set()
+        if error is None:
+            nx.counters["reads"] += 1
+            nx.counters["dest_registrations"] += register
+            return
+        if isinstance(error, StuckRead):
+            self._quarantine(dest)
+        await nx._recover(remote)
+        raise error
+
+    def _groups(self, lo: int, hi: int) -> list[tuple[tuple[int, str], list[tuple[int, int, int]]]]:
+        """The reads of bytes ``[lo, hi)``: ``(at, remote addr, length)``, grouped by the
+        remote memory kind (one READ transfer per group)."""
+        groups: dict[tuple[int, str], list[tuple[int, int, int]]] = {}
+        for s in self.spans:
+            a, b = max(lo, s.at), min(hi, s.at + s.length)
+            if a < b:
+                groups.setdefault((s.dev, s.mem), []).append((a, s.addr + (a - s.at), b - a))
+        return list(groups.items())
+
+    def _landing_addr(self) -> tuple[int, tuple[int, str]]:
+        lease = self.landing
+        assert lease is not None
+        if lease.buffer is not None:
+            r = lease.buffer.region
+            return r.addr, (r.dev, r.mem)
+        r = self.nx.landing_pool().memory.region
+        return r.addr + lease.offset, (r.dev, r.mem)
+
+    def _landing_view(self) -> torch.Tensor:
+        lease = self.landing
+        assert lease is not None
+        if lease.buffer is not None:
+            return lease.buffer.tensor[: self.nbytes]
+        return self.nx.landing_pool().memory.tensor[lease.offset : lease.offset + self.nbytes]
+
+    def _quarantine(self, dest: torch.Tensor | None) -> None:
+        """A READ could not be cancelled: keep the memory it targets out of reuse."""
+        if self.landing is not None:
+            self.landing.quarantine()
+            self.landing = None
+        if dest is not None:
+            self.nx._quarantined.append(dest)  # the caller's block stays referenced
+        if self.dest_registration is not None:
+            self.nx._quarantined.append(self.dest_registration)  # stays registered
+            self.dest_registration = self.dest = None
+
+    def _drop_dest(self) -> None:
+        registration, self.dest_registration, self.dest = self.dest_registration, None, None
+        agent = self.nx._agent
+        if registration is not None and agent is not None:
+            self.nx._releaser.submit(agent.deregister, registration)
+
+    def _close(self) -> None:
+        for entry in self.loaded:
+            entry.users -= 1
+        self.loaded = []
+        if self.landing is not None:
+            self.landing.release()
+            self.landing = None
+        self._drop_dest()  # closed before the last range arrived
+
+
+class NixlBackend(ByteBackend):
+    """NIXL over UCX. Options: see the package docstring."""
+
+    name: ClassVar[str] = "nixl"
+    summary: ClassVar[str] = "NVIDIA NIXL agent over UCX, one-sided READs from a registered pool"
+    install_hint: ClassVar[str] = INSTALL_HINT
+    auto_start: ClassVar[Literal["always", "tcp", "never"]] = "tcp"
+    capabilities: ClassVar[Capabilities] = Capabilities(
+        devices=frozenset({"cpu"}),
+        localities=frozenset({Locality.SAME_HOST, Locality.CROSS_HOST}),
+        progressive=True,
+        zero_copy=True,
+        preference=50,
+    )
+
+    def __init__(self, ctx: BackendContext, *, agent_factory: AgentFactory | None = None) -> None:
+        super().__init__(ctx)
+        opts = ctx.options
+        try:
+            self.pool_size = int(opts.get("pool_size", 128 << 20))
+            self.vram_pool_size = int(opts.get("vram_pool_size", 0))
+            cuda_device = opts.get("cuda_device")
+            self.cuda_device = int(cuda_device) if cuda_device is not None else None
+            self.register_dest_min = int(opts.get("register_dest_min", 256 << 10))
+            timeout = opts.get("timeout")
+            self._timeout = float(timeout) if timeout is not None else None
+        except (TypeError, ValueError) as exc:
+            raise BackendError(f"nixl: bad options {dict(opts)!r}: {exc}") from None
+        self._factory: AgentFactory = agent_factory or opts.get("agent_factory") or NixlAgent
+        self.agent_name = agent_name(ctx.endpoint)
+        self._agent: Agent | None = None
+        self._pools: list[_Pool] = []
+        self._info = b""
+        self._releaser = Releaser("omniwire-nixl")
+        self._registrations: RegistrationCache[LentRegistration] | None = None
+        self._remotes: dict[tuple[str, int], _Remote] = {}
+        self._quarantined: list[object] = []  # what a READ that could not be cancelled may hit
+        self._active = 0
+        self._idle: anyio.Event | None = None
+        self._closed = False
+        self.counters = {"reads": 0, "reloads": 0, "dest_registrations": 0, "lent": 0}
+
+    @classmethod
+    def availability(cls) -> Availability:
+        try:
+            load_api()
+        except ImportError as exc:
+            return Availability.missing(str(exc), INSTALL_HINT)
+        return Availability.ok()
+
+    def timeout_for(self, nbytes: int) -> float:
+        """Seconds a READ of ``nbytes`` may take."""
+        if self._timeout is not None:
+            return self._timeout
+        return 30.0 + nbytes / 50e6
+
+    @property
+    def registrations(self) -> RegistrationCache[LentRegistration]:
+        if self._registrations is None:
+            raise BackendError("nixl backend is not started")
+        return self._registrations
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Create the agent and register the pools.
+
+        Raises:
+            BackendClosedError: the backend is closed.
+            BackendError: NIXL cannot start, or a pool cannot be registered.
+        """
+        if self._closed:
+            raise BackendClosedError("nixl backend is closed")
+        if self._agent is not None:
+            return
+        if self.vram_pool_size > 0 and not torch.cuda.is_available():
+            raise BackendError("nixl: vram_pool_size is set but CUDA is not available here")
+        await anyio.to_thread.run_sync(self._start_blocking)
+
+    def _start_blocking(self) -> None:
+        agent = self._factory(self.agent_name)
+        pools: list[_Pool] = []
+        try:
+            kinds: list[tuple[int, Mem, int]] = []
+            if self.pool_size > 0:
+                kinds.append((self.pool_size, "DRAM", 0))
+            if self.vram_pool_size > 0:
+                dev = self.cuda_device
+                kinds.append(
+                    (
+                        self.vram_pool_size,
+                        "VRAM",
+                        torch.cuda.current_device() if dev is None else dev,
+                    )
+                )
+            for size, mem, dev in kinds:
+                memory = Memory(agent, size, mem, dev, partial=False)
+                slots = new_pool(agent, len(pools), mem, dev, self._releaser)
+                slots.attach(memory.region.length)
+                pools.append(_Pool(len(pools), memory, slots))
+            metadata = agent.metadata()
+        except BaseException:
+            for pool in pools:
+                pool.memory.release()
+            agent.close()
+            raise
+        self._pools = pools
+        self._info = blobs.encode(
+            blobs.PiecesHello(
+                self.agent_name, metadata, [p.memory.region for p in pools], pieces=True
+            )
+        )
+        self._registrations = registration_cache(agent, self._releaser)
+        self._agent = agent
+
+    def hello(self) -> bytes:
+        return self._info
+
+    def _live_agent(self) -> Agent:
+        if self._closed:
+            raise BackendClosedError("nixl backend is closed")
+        if self._agent is None:
+            raise BackendError("nixl backend is not started")
+        return self._agent
+
+    async def connect(self, peer: PeerInfo) -> None:
+        agent = self._live_agent()
+        hello = blobs.decode_hello(peer)
+        if hello.agent == agent.name:
+            raise BackendError(f"nixl peer {peer.name!r} claims this endpoint's own agent name")
+        for other in self._remotes.values():
+            if other.agent == hello.agent and other.key != peer.key:
+                raise BackendError(
+                    f"nixl peer {peer.name!r} claims agent {hello.agent!r}, "
+                    f"which belongs to {other.peer!r}"
+                )
+        check_agent(hello.metadata, hello.agent, peer.name)
+        old = self._remotes.get(peer.key)
+        if old is not None:
+            if old.agent == hello.agent and old.metadata == hello.metadata:
+                return
+            await self.disconnect(peer)
+        remote = _Remote(peer, hello)
+
+        def load() -> None:
+            agent.unload(hello.agent)  # a stale copy (the same agent seen before)
+            load_checked(agent, hello.metadata, hello.agent, peer.name)
+            agent.connect(hello.agent)
+
+        await anyio.to_thread.run_sync(load)
+        self._remotes[peer.key] = remote
+
+    async def disconnect(self, peer: PeerInfo) -> None:
+        remote = self._remotes.pop(peer.key, None)
+        if remote is None:
+            return
+        remote.alive = False  # reads in flight from it stop waiting
+        with anyio.move_on_after(10):
+            await self._wait_idle(remote)
+        if self._agent is not None and not self._closed:
+            await anyio.to_thread.run_sync(self._agent.unload, remote.agent)
+        remote.loaded.clear()
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for remote in self._remotes.values():
+            remote.alive = False
+        with anyio.move_on_after(10):
+            while self._active:
+                self._idle = anyio.Event()
+                await self._idle.wait()
+        agent, self._agent = self._agent, None
+        remotes = list(self._remotes.values())
+        self._remotes.clear()
+        pools, self._pools = self._pools, []
+        for pool in pools:
+            await pool.slots.aclose()
+        cached = self._registrations.clear() if self._registrations is not None else []
+
+        def teardown() -> None:
+            self._releaser.stop()
+            if agent is None:
+                return
+            for remote in remotes:
+                agent.unload(remote.agent)
+            for lent in cached:
+                agent.deregister(lent.registration)
+            for pool in pools:
+                pool.memory.release()
+            agent.close()
+
+        await anyio.to_thread.run_sync(teardown)
+        self._quarantined.clear()
+
+    def detail(self) -> dict[str, int]:
+        out = {
+            "remotes": len(self._remotes),
+            "reads_in_flight": self._active,
+            "quarantined": len(self._quarantined),
+            "registrations": len(self._registrations) if self._registrations else 0,
+            **self.counters,
+        }
+        for pool in self._pools:
+            for k, v in pool.slots.detail().items():
+                out[k] = out.get(k, 0) + v
+        return out
+
+    # -- helpers ---------------------------------------------------------------------------
+
+    async def _wait_idle(self, remote: _Remote) -> None:
+        while remote.active:
+            if remote.idle is None or remote.idle.is_set():
+                remote.idle = anyio.Event()
+            await remote.idle.wait()
+
+    def _pool_for(self, device: str) -> _Pool | None:
+        if device.startswith("cuda"):
+            dev = torch.device(device).index
+            for pool in self._pools:
+                r = pool.memory.region
+                if r.mem == "VRAM" and (dev is None or r.dev == dev):
+                    return pool
+        return next((p for p in self._pools if p.memory.region.mem == "DRAM"), None)
+
+    def landing_pool(self) -> _Pool:
+        """Where the receiver lands bytes it does not read into ``dest``.
+
+        Raises:
+            BackendError: the backend has no host-memory pool (``pool_size=0``).
+        """
+        pool = self._pool_for("cpu")
+        if pool is None:
+            raise BackendError("nixl: no host-memory pool (pool_size=0) to read into")
+        return pool
+
+    async def _load(self, remote: _Remote, lent: Lent) -> _Loaded:
+        """Make a registration of the peer known to our agent; count one user."""
+        agent = self._live_agent()
+        region, metadata = lent.region, lent.metadata
+        async with remote.lock:
+            entry = remote.loaded.get(region.key)
+            if entry is not None and entry.metadata == metadata:
+                entry.users += 1  # the same registration again: nothing to load
+                return entry
+            if any(e.users and e.region.overlaps(region) for e in remote.loaded.values()):
+                raise BackendError(
+                    f"nixl reference from {remote.peer!r} names a region that overlaps one "
+                    "still in use"
+                )
+            stale = [e for e in remote.loaded.values() if e.region.overlaps(region)]
+            if stale or len(remote.loaded) > MAX_STALE:
+                await self._reload(remote)
+            check_agent(metadata, remote.agent, remote.peer)
+            try:
+                await anyio.to_thread.run_sync(agent.load, metadata)
+            except BackendError:
+                await self._reload(remote)  # NIXL refused it against a stale entry
+                await anyio.to_thread.run_sync(agent.load, metadata)
+            entry = remote.loaded[region.key] = _Loaded(region, metadata)
+            entry.users += 1
+            return entry
+
+    async def _reload(self, remote: _Remote) -> None:
+        """Forget everything the agent knows of the peer and load its metadata again
+        (with the registrations still in use), once no read from it is in flight. The
+        caller holds ``remote.lock``.
+
+        A registration of a peer stays known to the agent after the peer released it
+        (NIXL cannot forget one region of a peer). When a new one overlaps such a
+        stale one — the peer reuses addresses — or too many pile up, this reload
+        keeps a read from resolving to a stale registration.
+        """
+        agent = self._live_agent()
+        event = remote.refreshing = anyio.Event()
+        try:
+            with anyio.fail_after(self.timeout_for(0)):
+                await self._wait_idle(remote)
+            keep = {k: e for k, e in remote.loaded.items() if e.users}
+
+            def reload() -> None:
+                agent.unload(remote.agent)
+                load_checked(agent, remote.metadata, remote.agent, remote.peer)
+                for e in keep.values():
+                    agent.load(e.metadata)
+
+            await anyio.to_thread.run_sync(reload)
+            remote.loaded = keep
+            self.counters["reloads"] += 1
+        except TimeoutError:
+            raise BackendError(
+                f"nixl: reads from {remote.peer!r} did not drain; cannot reload its metadata"
+            ) from None
+        finally:
+            remote.refreshing = None
+            event.set()
+
+    async def _recover(self, remote: _Remote) -> None:
+        """After a failed read: NIXL forgets a peer's metadata after a connection error;
+        load it again, so that later objects can be read."""
+        agent = self._agent
+        if agent is None or not remote.alive or self._closed:
+            return
+        async with remote.lock:
+            if not await anyio.to_thread.run_sync(agent.known, remote.agent):
+                with contextlib.suppress(BackendError):
+                    await self._reload(remote)
+
+    # -- sender ----------------------------------------------------------------------------
+
+    async def export(self, peer: PeerInfo, nbytes: int, device: str) -> Export:
+        self._live_agent()
+        pool = self._pool_for(device)
+        if pool is None:
+            raise BackendError("nixl: no pool to send from (pool_size=0)")
+        lease = await pool.slots.take(nbytes, purpose=f"to {peer.name!r}")
+        return _Export(self, pool, lease)
+
+    async def export_tensors(
+        self, peer: PeerInfo, tensors: list[torch.Tensor], *, lent: bool
+    ) -> Export | None:
+        """Lent CPU tensors are registered (cached) and read by the peer in place; else
+        None (the endpoint packs into :meth:`export`)."""
+        self._live_agent()
+        remote = self._remotes.get(peer.key)
+        if not lent or remote is None or not remote.pieces:
+            return None
+        image = await lend(self.registrations, tensors, frozenset({"cpu"}))
+        if image is None:
+            return None
+        pieces, nbytes, acquired = image
+        regions: dict[Hashable, int] = {}
+        lents: list[blobs.Lent] = []
+        out: list[blobs.Piece] = []
+        for p, (key, reg) in zip(pieces, acquired, strict=True):
+            if key not in regions:
+                regions[key] = len(lents)
+                lents.append(blobs.Lent(reg.region, reg.metadata))
+            out.append(blobs.Piece(p.at, p.addr, p.nbytes, regions[key]))
+        ref = blobs.encode(blobs.PiecesRef(blobs.PIECES, 0, nbytes, lent=lents, pieces=out))
+        self.counters["lent"] += 1
+        keys = [key for key, _ in acquired]
+        return LentExport(self, nbytes, ref, self.registrations, keys, [p.tensor for p in pieces])
+
+    # -- receiver --------------------------------------------------------------------------
+
+    async def import_(self, peer: PeerInfo, ref: bytes, nbytes: int) -> Import:
+        self._live_agent()
+        remote = self._remotes.get(peer.key)
+        if remote is None or not remote.alive:
+            raise BackendError(f"{peer.name!r} did not announce nixl in its Hello")
+        spans, lents = blobs.resolve(ref, remote.pools, nbytes, peer.name)
+        loaded: list[_Loaded] = []
+        try:
+            for lent in lents:
+                loaded.append(await self._load(remote, lent))
+        except BaseException:
+            for entry in loaded:
+                entry.users -= 1
+            raise
+        return _Import(self, peer, nbytes, remote, spans, loaded)

@@ -1,0 +1,346 @@
+"""nixl's raw engine calls, behind the :class:`Agent` seam.
+
+:class:`Agent` is everything the backend asks of a NIXL agent. :class:`NixlAgent`
+implements it with NIXL's Python API; a test passes another object with the same
+methods as ``NixlBackend(ctx, agent_factory=...)`` or
+``backend_options={"nixl": {"agent_factory": ...}}`` (a callable taking the agent
+name). Every NIXL exception is mapped to :class:`~omniwire.errors.BackendError`
+here, once (:func:`~omniwire.backends.base.map_errors`). The calls block: run
+them in worker threads.
+
+Logging: NIXL's import configures a logger that prints to *stdout* and turns off
+``logging.raiseExceptions``; both are undone (``NIXL_LOG_LEVEL`` sets its level,
+default WARNING).
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import re
+import secrets
+import sys
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from types import ModuleType
+from typing import Any, Protocol
+
+from ...errors import BackendClosedError, BackendError
+from ..base import map_errors, one_line
+from ..support import poll_until
+from ._blobs import Region, md_agent
+
+__all__ = ["Agent", "NixlAgent", "StuckRead", "agent_name", "load_api", "read"]
+
+log = logging.getLogger("omniwire.nixl")
+
+#: Where the agent API is, in order: the ``nixl`` meta-package, then the CUDA builds.
+API_MODULES = ("nixl._api", "nixl_cu13._api", "nixl_cu12._api")
+
+#: NIXL's registration list of one region (an untyped binding object).
+Registration = object
+#: A transfer handle of NIXL (an untyped binding object).
+Transfer = object
+#: ``(addr, length, dev)`` of one transfer descriptor.
+Desc = tuple[int, int, int]
+
+
+class StuckRead(BackendError):
+    """A READ failed or was abandoned and NIXL could not cancel it: it may still land."""
+
+
+class Agent(Protocol):
+    """The raw calls of one NIXL agent (blocking; failures are BackendError)."""
+
+    name: str
+
+    def register(self, region: Region) -> Registration:
+        """Register ``region`` of this process with the agent."""
+
+    def deregister(self, registration: Registration) -> None:
+        """Undo :meth:`register` (quiet: a failure is logged)."""
+
+    def metadata(self) -> bytes:
+        """The agent's metadata (every registration), for peers to load."""
+
+    def partial_metadata(self, registration: Registration) -> bytes:
+        """The metadata of one registration only."""
+
+    def load(self, metadata: bytes) -> str:
+        """Load a peer's (full or partial) metadata; returns the agent it names."""
+
+    def unload(self, agent: str) -> None:
+        """Forget a remote agent (quiet if unknown)."""
+
+    def known(self, agent: str) -> bool:
+        """Whether the agent's metadata is loaded."""
+
+    def connect(self, agent: str) -> None:
+        """Open the connection to ``agent`` ahead of the first read (best effort)."""
+
+    def start_read(
+        self, local: Sequence[Desc], local_mem: str, agent: str, remote: Sequence[Desc], mem: str
+    ) -> tuple[Transfer, str]:
+        """Start READs of ``remote`` (of ``agent``) into ``local``; returns the
+        transfer and its first state."""
+
+    def state(self, transfer: Transfer) -> str:
+        """``"DONE"``, ``"PROC"`` or an error state."""
+
+    def release(self, transfer: Transfer) -> None:
+        """Release (cancel) a transfer; raises if NIXL could not."""
+
+    def close(self) -> None:
+        """Destroy the agent."""
+
+
+_api: ModuleType | None = None
+_api_error: str | None = None
+
+
+def _tame_nixl_logging(raise_exceptions: bool) -> None:
+    logging.raiseExceptions = raise_exceptions
+    nixl_log = logging.getLogger("nixl")
+    for handler in list(nixl_log.handlers):
+        if isinstance(handler, logging.StreamHandler) and handler.stream is not sys.stderr:
+            nixl_log.removeHandler(handler)
+    nixl_log.propagate = True
+    if not os.environ.get("NIXL_LOG_LEVEL"):
+        nixl_log.setLevel(logging.WARNING)
+
+
+def load_api(modules: Sequence[str] = API_MODULES) -> ModuleType:
+    """The ``_api`` module of the first NIXL build that imports (cached).
+
+    Raises:
+        ImportError: none does; the message lists why for each.
+    """
+    global _api, _api_error
+    default = tuple(modules) == API_MODULES
+    if default and _api is not None:
+        return _api
+    if default and _api_error is not None:
+        raise ImportError(_api_error)
+    errors = []
+    raise_exceptions = logging.raiseExceptions
+    try:
+        for name in modules:
+            try:
+                module = importlib.import_module(name)
+            except (ImportError, OSError) as exc:  # OSError: a shared library is missing
+                errors.append(f"{name}: {exc}")
+                continue
+            if hasattr(module, "nixl_agent") and hasattr(module, "nixl_agent_config"):
+                if default:
+                    _api = module
+                return module
+            errors.append(f"{name}: has no nixl_agent")
+    finally:
+        _tame_nixl_logging(raise_exceptions)
+    error = "cannot import the NIXL agent API (" + "; ".join(errors) + ")"
+    if default:
+        _api_error = error
+    raise ImportError(error)
+
+
+def agent_name(endpoint: str) -> str:
+    """A unique agent name for an endpoint of this process."""
+    safe = re.sub(r"[^A-Za-z0-9_.-]", "_", endpoint)[:48]
+    return f"ow-{safe}-{os.getpid()}-{secrets.token_hex(6)}"
+
+
+def _nixl(what: str) -> AbstractContextManager[None]:
+    return map_errors({Exception: BackendError}, f"nixl: {what}")
+
+
+class NixlAgent:
+    """A NIXL agent with the UCX backend (``enable_prog_thread=True``, thread-sync
+    mode ``RW``: it is called from several worker threads).
+
+    Raises:
+        BackendError: it cannot be created, or has no UCX backend.
+    """
+
+    def __init__(self, name: str) -> None:
+        try:
+            api = load_api()
+        except ImportError as exc:
+            raise BackendError(str(exc)) from exc
+        sync = getattr(api, "nixl_thread_sync_t", None)
+        kwargs: dict[str, Any] = {}
+        if sync is not None:
+            kwargs["sync_mode"] = sync.NIXL_THREAD_SYNC_RW
+        with _nixl(f"cannot create agent {name!r}"):
+            config = api.nixl_agent_config(
+                enable_prog_thread=True, enable_listen_thread=False, backends=["UCX"], **kwargs
+            )
+            agent = api.nixl_agent(name, config)
+        if "UCX" not in agent.backends:
+            raise BackendError(
+                f"nixl: agent {name!r} has no UCX backend (plugins found: "
+                f"{', '.join(agent.get_plugin_list()) or 'none'}; set NIXL_PLUGIN_DIR?)"
+            )
+        self.name = name
+        self._agent: Any = agent
+
+    @property
+    def _nx(self) -> Any:
+        if self._agent is None:
+            raise BackendClosedError("nixl agent is closed")
+        return self._agent
+
+    def register(self, region: Region) -> Registration:
+        where = f"[0x{region.addr:x}, +{region.length}) on device {region.dev}"
+        with _nixl(f"cannot register {region.mem} {where}"):
+            descs = self._nx.register_memory(
+                [(region.addr, region.length, region.dev, "")], region.mem
+            )
+        if descs is None:
+            raise BackendError(f"nixl: cannot build a registration list for {region}")
+        return descs
+
+    def deregister(self, registration: Registration) -> None:
+        try:
+            with _nixl("deregistering memory"):
+                self._nx.deregister_memory(registration)
+        except BackendClosedError:
+            pass
+        except BackendError as exc:
+            log.warning("%s", exc)
+
+    def metadata(self) -> bytes:
+        with _nixl("get_agent_metadata"):
+            return bytes(self._nx.get_agent_metadata())
+
+    def partial_metadata(self, registration: Registration) -> bytes:
+        with _nixl("get_partial_agent_metadata"):
+            return bytes(self._nx.get_partial_agent_metadata(registration, False, ["UCX"]))
+
+    def load(self, metadata: bytes) -> str:
+        with _nixl("cannot load a peer's metadata"):
+            loaded = self._nx.add_remote_agent(metadata)
+        # The binding returns bytes; every other call wants str.
+        return loaded.decode(errors="replace") if isinstance(loaded, bytes) else str(loaded)
+
+    def unload(self, agent: str) -> None:
+        try:
+            self._nx.agent.invalidateRemoteMD(agent)  # returns a status; NOT_FOUND is fine
+        except BackendClosedError:
+            pass
+        except Exception as exc:
+            log.debug("nixl: invalidating %s: %s", agent, one_line(exc))
+
+    def known(self, agent: str) -> bool:
+        try:
+            return bool(self._nx.check_remote_metadata(agent))
+        except Exception:
+            return False
+
+    def connect(self, agent: str) -> None:
+        try:
+            self._nx.make_connection(agent)
+        except Exception as exc:
+            log.debug("nixl: make_connection(%s): %s", agent, one_line(exc))
+
+    def start_read(
+        self, local: Sequence[Desc], local_mem: str, agent: str, remote: Sequence[Desc], mem: str
+    ) -> tuple[Transfer, str]:
+        nx = self._nx
+        with _nixl(f"cannot create a READ of {sum(d[1] for d in remote)} bytes from {agent!r}"):
+            ldescs = nx.get_xfer_descs(list(local), local_mem)
+            rdescs = nx.get_xfer_descs(list(remote), mem)
+            if ldescs is None or rdescs is None:
+                raise BackendError("nixl: cannot build transfer descriptors")
+            handle = nx.initialize_xfer("READ", ldescs, rdescs, agent)
+        try:
+            with _nixl(f"READ from {agent!r} failed"):
+                return handle, str(nx.transfer(handle))
+        except BackendError:
+            self.release(handle)
+            raise
+
+    def state(self, transfer: Transfer) -> str:
+        with _nixl("checking a READ"):
+            return str(self._nx.check_xfer_state(transfer))
+
+    def release(self, transfer: Transfer) -> None:
+        with _nixl("releasing a READ"):
+            transfer.release()  # type: ignore[attr-defined]
+
+    def close(self) -> None:
+        self._agent = None  # the last reference: the destructor runs here
+
+
+def read(
+    agent: Agent,
+    reads: Sequence[tuple[int, int, int]],
+    local: tuple[int, str],
+    remote_agent: str,
+    remote: tuple[int, str],
+    timeout: float,
+    what: str,
+    cancelled: Callable[[], bool] | None = None,
+    *,
+    spin: bool = False,
+) -> None:
+    """READ each ``(local addr, remote addr, length)`` in one transfer, the local side on
+    ``local = (dev, mem)``, the remote on ``remote``; wait for it (blocking) and
+    release the transfer, always.
+
+    Raises:
+        StuckRead: it failed or was abandoned and could not be released (it may still
+            land: never reuse its memory).
+        TransferTimeoutError: not done within ``timeout`` (released).
+        BackendError: NIXL refused or failed it, or ``cancelled()`` turned true.
+    """
+    ldescs = [(lo, n, local[0]) for lo, _, n in reads]
+    rdescs = [(ro, n, remote[0]) for _, ro, n in reads]
+    transfer, first = agent.start_read(ldescs, local[1], remote_agent, rdescs, remote[1])
+    state = first
+    done = False
+
+    def finished() -> bool:
+        nonlocal state
+        if state == "PROC":
+            state = agent.state(transfer)
+        return state != "PROC"
+
+    try:
+        poll_until(
+            finished, timeout=timeout, what=f"nixl: READ for {what}", cancelled=cancelled, spin=spin
+        )
+        if state != "DONE":
+            raise BackendError(f"nixl: READ for {what} failed (state {state})")
+        done = True
+    finally:
+        try:
+            agent.release(transfer)
+        except BackendError as exc:  # NIXL could not cancel it: it may still land
+            log.warning("nixl: releasing the READ for %s failed: %s", what, exc)
+            if not done:
+                raise StuckRead(f"nixl: READ for {what} could not be cancelled: {exc}") from exc
+
+
+def check_agent(metadata: bytes, expected: str, peer: str) -> None:
+    """Raises BackendError unless the metadata blob names agent ``expected``."""
+    named = md_agent(metadata)
+    if named != expected:
+        raise BackendError(
+            f"nixl metadata from {peer!r} names agent {named!r}, not its own {expected!r}"
+        )
+
+
+def load_checked(agent: Agent, metadata: bytes, expected: str, peer: str) -> None:
+    """Load a peer's metadata after checking the agent name it carries.
+
+    Raises:
+        BackendError: it names another agent, or NIXL refused it.
+    """
+    check_agent(metadata, expected, peer)
+    loaded = agent.load(metadata)
+    if loaded != expected:  # pragma: no cover - checked above; defensive
+        raise BackendError(f"nixl: loaded agent {loaded!r}, expected {expected!r}")
+
+
+AgentFactory = Callable[[str], Agent]

@@ -1,0 +1,455 @@
+"""What the backends share besides the slot pool: small helpers, the one loop that
+polls an engine for completion, the one thread that runs blocking clean-ups, and
+the cache of engine registrations of lent tensors.
+
+Everything here is engine-neutral; third-party backends may use it too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import mmap
+import queue
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+import anyio
+import msgspec
+import torch
+
+from ..errors import BackendError
+from ..wire import MAX_TENSORS, align_up
+from .base import BackendBase, Export
+
+__all__ = [
+    "HostMemory",
+    "LentExport",
+    "LentPiece",
+    "RegistrationCache",
+    "Releaser",
+    "TransferTimeoutError",
+    "byte_view",
+    "check_pieces",
+    "check_range",
+    "decode_blob",
+    "lend",
+    "lent_pieces",
+    "mib",
+    "poll_until",
+    "storage_span",
+]
+
+log = logging.getLogger("omniwire.backends")
+
+T = TypeVar("T")
+H = TypeVar("H")
+
+_MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+_MADV_DONTNEED = getattr(mmap, "MADV_DONTNEED", None)
+#: The shortest and longest sleep between two completion checks.
+POLL_MIN_S = 10e-6
+POLL_MAX_S = 500e-6
+
+
+class TransferTimeoutError(BackendError, TimeoutError):
+    """An engine transfer did not complete in time (it may still land later: keep its
+    memory out of reuse). What :func:`poll_until` raises on a timeout."""
+
+
+def mib(n: int) -> str:
+    """``n`` bytes in MiB, for messages."""
+    return f"{n / 2**20:.1f} MiB"
+
+
+def decode_blob(decoder: msgspec.msgpack.Decoder[T], data: bytes, what: str) -> T:
+    """Decode a peer's blob (Hello info, reference) with a typed decoder.
+
+    Raises:
+        BackendError: ``malformed <what>: <why>``.
+    """
+    try:
+        return decoder.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise BackendError(f"malformed {what}: {exc}") from None
+
+
+def check_range(lo: int, hi: int, nbytes: int, what: str) -> None:
+    """Raises BackendError unless ``0 <= lo <= hi <= nbytes``."""
+    if not 0 <= lo <= hi <= nbytes:
+        raise BackendError(f"{what}: range [{lo}, {hi}) outside a {nbytes}-byte object")
+
+
+def check_pieces(pieces: Sequence[tuple[int, int]], nbytes: int, where: str) -> None:
+    """Check ``(at, length)`` pieces of an object of ``nbytes``: sorted by ``at``, not
+    overlapping, not empty, inside the object, at most MAX_TENSORS of them.
+
+    Raises:
+        BackendError: one is not.
+    """
+    if len(pieces) > MAX_TENSORS:
+        raise BackendError(f"{where} has {len(pieces)} pieces")
+    end = 0
+    for at, length in pieces:
+        if length <= 0 or at < end or at + length > nbytes:
+            raise BackendError(
+                f"{where} has a piece [{at}, {at + length}) that is empty, overlaps "
+                f"another or lies outside the {nbytes}-byte object"
+            )
+        end = at + length
+
+
+def storage_span(t: torch.Tensor) -> tuple[int, int]:
+    """``(address, nbytes)`` of the storage under ``t`` (what a registration covers)."""
+    s = t.untyped_storage()
+    return s.data_ptr(), s.nbytes()
+
+
+def byte_view(t: torch.Tensor) -> torch.Tensor:
+    """A 1-D uint8 tensor over the bytes of contiguous ``t`` (the same memory)."""
+    nbytes = t.numel() * t.element_size()
+    base = torch.empty(0, dtype=torch.uint8, device=t.device)
+    return base.set_(t.untyped_storage(), t.storage_offset() * t.element_size(), (nbytes,), (1,))
+
+
+@dataclass(frozen=True)
+class LentPiece:
+    """One lent tensor as a piece of the object's packed image (spec §5): its bytes
+    belong at ``[at, at + nbytes)``."""
+
+    at: int
+    tensor: torch.Tensor  # the caller's tensor (kept alive by the export)
+    data: torch.Tensor  # a uint8 view of its bytes
+
+    @property
+    def addr(self) -> int:
+        return self.data.data_ptr()
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel()
+
+
+def lent_pieces(
+    tensors: Sequence[torch.Tensor], devices: frozenset[str] = frozenset({"cpu"})
+) -> tuple[list[LentPiece], int] | None:
+    """The caller's tensors as the pieces of the packed image they would be packed
+    into (empty tensors left out) and the image's length; or None when one cannot be
+    read in place (not contiguous, or on a device kind not in ``devices``) or there
+    are no bytes."""
+    pieces = []
+    end = 0
+    for t in tensors:
+        if t.device.type not in devices or not t.is_contiguous():
+            return None
+        at = align_up(end)
+        nbytes = t.numel() * t.element_size()
+        end = at + nbytes
+        if nbytes:
+            pieces.append(LentPiece(at, t, byte_view(t)))
+    return (pieces, end) if pieces else None
+
+
+class HostMemory:
+    """Anonymous, pre-faulted host memory (``mmap``) and a uint8 tensor over all of it."""
+
+    def __init__(self, size: int) -> None:
+        try:
+            self._mm: mmap.mmap | None = mmap.mmap(
+                -1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_POPULATE
+            )
+        except OSError as exc:
+            raise BackendError(f"cannot map {mib(size)} of host memory: {exc}") from exc
+        self.size = size
+        self.tensor = torch.frombuffer(self._mm, dtype=torch.uint8)
+        self.addr = self.tensor.data_ptr()
+
+    def discard(self) -> None:
+        """Give the pages back but keep the mapping: a late reader reads zeros, never
+        faults."""
+        if self._mm is not None and _MADV_DONTNEED is not None:
+            with contextlib.suppress(OSError, ValueError):
+                self._mm.madvise(_MADV_DONTNEED)
+
+    def close(self) -> None:
+        """Unmap (now if no view is alive, else when the last view is collected)."""
+        self.tensor = torch.empty(0, dtype=torch.uint8)
+        mm, self._mm = self._mm, None
+        if mm is not None:
+            with contextlib.suppress(BufferError):
+                mm.close()
+
+
+def poll_until(
+    done: Callable[[], bool],
+    *,
+    timeout: float,
+    what: str,
+    cancelled: Callable[[], bool] | None = None,
+    spin: bool = False,
+) -> None:
+    """Call ``done()`` until it returns True; blocking (run it in a worker thread).
+
+    Between checks it sleeps 10 µs, doubling up to 500 µs but never more than 1/32
+    of the time waited so far: a wake-up adds at most ~3 % to a long transfer and
+    little to a short one, and the core stays free for the engine. ``spin`` never
+    sleeps (benchmarks of the bare engine).
+
+    Raises:
+        TransferTimeoutError: not done within ``timeout`` seconds.
+        BackendError: ``cancelled()`` turned true.
+        Whatever ``done()`` raises (the engine's failure).
+    """
+    started = time.monotonic()
+    delay = POLL_MIN_S
+    while not done():
+        elapsed = time.monotonic() - started
+        if cancelled is not None and cancelled():
+            raise BackendError(f"{what} was cancelled (peer lost or backend closed)")
+        if elapsed > timeout:
+            raise TransferTimeoutError(f"{what} did not finish within {timeout:g} s")
+        if not spin:
+            time.sleep(delay)
+            delay = min(POLL_MAX_S, max(delay * 2, elapsed / 32))
+
+
+class Releaser:
+    """One helper thread that runs blocking clean-ups in order (unregistering memory,
+    dropping GPU mappings), so that releasing a handle never blocks the event loop.
+
+    After :meth:`stop`, :meth:`submit` runs the call at once in the caller's thread.
+    A failing call is logged, never raised.
+    """
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._queue: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self._stopped = False
+
+    def submit(self, fn: Callable[..., None], *args: object) -> None:
+        call: Callable[[], None] = (lambda: fn(*args)) if args else fn
+        with self._lock:
+            if not self._stopped:
+                if self._thread is None:
+                    self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+                    self._thread.start()
+                self._queue.put(call)
+                return
+        self._run_one(call)
+
+    def _run(self) -> None:
+        while True:
+            call = self._queue.get()
+            if call is None:
+                return
+            self._run_one(call)
+            del call  # the last references of what it released die here, in this thread
+
+    def _run_one(self, call: Callable[[], None]) -> None:
+        try:
+            call()
+        except Exception:
+            log.exception("%s: clean-up failed", self.name)
+
+    def wait_idle(self, timeout: float = 10.0) -> bool:
+        """Block until everything submitted so far ran. Returns False on timeout."""
+        done = threading.Event()
+        self.submit(done.set)
+        return done.wait(timeout)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Run what is queued, then end the thread (blocking, at most ``timeout`` s)."""
+        with self._lock:
+            if self._stopped:
+                return
+            self._stopped = True
+            thread = self._thread
+            self._queue.put(None)
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+
+
+class _Registration(Generic[H]):
+    __slots__ = ("handle", "nbytes", "storage", "users")
+
+    def __init__(self, handle: H, storage: torch.UntypedStorage, nbytes: int) -> None:
+        self.handle = handle
+        self.storage: torch.UntypedStorage | None = storage  # keeps the memory alive
+        self.nbytes = nbytes
+        self.users = 0
+
+
+class RegistrationCache(Generic[H]):
+    """Engine registrations of the storages of lent tensors, reused across sends.
+
+    Registering memory with an engine costs a system call or a page pinning; a caller
+    that lends the same tensors again (a reused buffer) finds them registered. Each
+    cached registration keeps its storage alive, so its memory is never freed and
+    reused while registered. At most ``max_entries`` registrations and ``max_bytes``
+    are kept; beyond, the least recently used ones that no live export uses are
+    unregistered (through ``releaser``, off the event loop).
+
+    ``register(addr, nbytes, device)`` and ``unregister(handle)`` are the engine's
+    blocking calls (run in a worker thread and in ``releaser``). Not thread-safe:
+    use it from the event loop.
+    """
+
+    def __init__(
+        self,
+        register: Callable[[int, int, torch.device], H],
+        unregister: Callable[[H], None],
+        releaser: Releaser,
+        *,
+        max_entries: int = 64,
+        max_bytes: int = 4 << 30,
+    ) -> None:
+        self._register = register
+        self._unregister = unregister
+        self._releaser = releaser
+        self.max_entries = max_entries
+        self.max_bytes = max_bytes
+        self._entries: OrderedDict[Hashable, _Registration[H]] = OrderedDict()
+        self._bytes = 0
+        self._lock = anyio.Lock()
+        self.hits = 0
+        self.misses = 0
+
+    @staticmethod
+    def key(t: torch.Tensor) -> Hashable:
+        addr, nbytes = storage_span(t)
+        return (str(t.device), addr, nbytes)
+
+    async def acquire(self, t: torch.Tensor) -> tuple[Hashable, H]:
+        """The registration of ``t``'s storage, made now (in a worker thread) if it is
+        not cached, and marked in use until :meth:`release` of the key.
+
+        Raises:
+            BackendError: the engine refused to register it.
+        """
+        key = self.key(t)
+        entry = self._entries.get(key)
+        if entry is None:
+            async with self._lock:  # one registration of a storage at a time
+                entry = self._entries.get(key)
+                if entry is None:
+                    storage = t.untyped_storage()
+                    handle = await anyio.to_thread.run_sync(
+                        self._register, storage.data_ptr(), storage.nbytes(), t.device
+                    )
+                    entry = _Registration(handle, storage, storage.nbytes())
+                    self._entries[key] = entry
+                    self._bytes += entry.nbytes
+                    self.misses += 1
+        else:
+            self.hits += 1
+        self._entries.move_to_end(key)
+        entry.users += 1
+        self._evict()
+        return key, entry.handle
+
+    async def acquire_all(self, tensors: Sequence[torch.Tensor]) -> list[tuple[Hashable, H]]:
+        """:meth:`acquire` each tensor's registration; on a failure, release those
+        acquired and raise.
+
+        Raises:
+            BackendError: the engine refused to register one.
+        """
+        got: list[tuple[Hashable, H]] = []
+        try:
+            for t in tensors:
+                got.append(await self.acquire(t))
+        except BaseException:
+            for key, _ in got:
+                self.release(key)
+            raise
+        return got
+
+    def release(self, key: Hashable) -> None:
+        """An export that used the registration of ``key`` is done."""
+        entry = self._entries.get(key)
+        if entry is not None and entry.users > 0:
+            entry.users -= 1
+            self._evict()
+
+    def _evict(self) -> None:
+        over = len(self._entries) - self.max_entries
+        for key in list(self._entries):
+            if over <= 0 and self._bytes <= self.max_bytes:
+                return
+            entry = self._entries[key]
+            if entry.users:
+                continue
+            del self._entries[key]
+            self._bytes -= entry.nbytes
+            over -= 1
+            entry.storage = None
+            self._releaser.submit(self._unregister, entry.handle)
+
+    def clear(self) -> list[H]:
+        """Forget every registration; returns their handles (the caller unregisters)."""
+        handles = [e.handle for e in self._entries.values()]
+        for e in self._entries.values():
+            e.storage = None
+        self._entries.clear()
+        self._bytes = 0
+        return handles
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @property
+    def nbytes(self) -> int:
+        return self._bytes
+
+
+async def lend(
+    cache: RegistrationCache[H], tensors: Sequence[torch.Tensor], devices: frozenset[str]
+) -> tuple[list[LentPiece], int, list[tuple[Hashable, H]]] | None:
+    """The caller's lent tensors as pieces of the packed image (:func:`lent_pieces`),
+    each registered through ``cache``; None when they cannot be read in place.
+
+    Raises:
+        BackendError: the engine refused a registration (none is kept).
+    """
+    image = lent_pieces(tensors, devices)
+    if image is None:
+        return None
+    pieces, nbytes = image
+    return pieces, nbytes, await cache.acquire_all([p.tensor for p in pieces])
+
+
+class LentExport(Export):
+    """An export of the caller's lent tensors, read in place by the peer through their
+    registrations in ``cache`` (held until the export is released)."""
+
+    def __init__(
+        self,
+        backend: BackendBase,
+        nbytes: int,
+        ref: bytes,
+        cache: RegistrationCache[H],
+        keys: Sequence[Hashable],
+        tensors: Sequence[torch.Tensor],
+    ) -> None:
+        super().__init__(backend, nbytes, None)
+        self._ref = ref
+        self._cache: RegistrationCache[H] | None = cache
+        self._keys = list(keys)
+        self.tensors: list[torch.Tensor] | None = list(tensors)
+
+    @property
+    def ref(self) -> bytes:
+        return self._ref
+
+    def _release(self) -> None:
+        self.tensors = None
+        cache, self._cache = self._cache, None
+        if cache is not None:
+            for key in self._keys:
+                cache.release(key)

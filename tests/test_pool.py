@@ -1,0 +1,241 @@
+"""The shared slot pool (omniwire.backends.pool) and the shared helpers (support)."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+
+import anyio
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from omniwire.backends.pool import Lease, SlotPool
+from omniwire.backends.support import (
+    HostMemory,
+    RegistrationCache,
+    Releaser,
+    TransferTimeoutError,
+    check_range,
+    poll_until,
+)
+from omniwire.errors import BackendClosedError, BackendError
+
+
+class Buffers:
+    """Dedicated buffers as integers, with what was made and destroyed."""
+
+    def __init__(self) -> None:
+        self.made: list[int] = []
+        self.destroyed: list[int] = []
+
+    def create(self, size: int) -> int:
+        self.made.append(size)
+        return len(self.made)
+
+    def destroy(self, buf: int) -> None:
+        self.destroyed.append(buf)
+
+
+def _pool(capacity: int = 64 << 10, **kw: object) -> tuple[SlotPool[int], Buffers]:
+    b = Buffers()
+    return SlotPool("test pool", capacity=capacity, create=b.create, destroy=b.destroy, **kw), b  # type: ignore[arg-type]
+
+
+@pytest.mark.asyncio
+async def test_slots_are_reused_and_dedicated_buffers_destroyed(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    pool, bufs = _pool(option="the_option")
+    a = await pool.take(40 << 10)
+    assert a.offset == 0 and not a.dedicated and a.size == 64 << 10
+    with caplog.at_level(logging.INFO, "omniwire.backends.pool"):
+        b = await pool.take(100)  # the region is taken: a dedicated buffer
+        c = await pool.take(100)
+    assert b.dedicated and c.dedicated and bufs.made == [100, 100]
+    assert sum("the_option" in r.message for r in caplog.records) == 1  # warned once
+    assert pool.live == 3 and pool.dedicated_live == 2
+    a.release()
+    a.release()  # idempotent
+    b.release()
+    assert bufs.destroyed == [1]
+    d = await pool.take(40 << 10)
+    assert d.offset == 0 and pool.bytes_in_use == 64 << 10
+    for x in (c, d):
+        x.release()
+    assert pool.live == 0 and pool.bytes_in_use == 0 and bufs.destroyed == [1, 2]
+
+
+@pytest.mark.asyncio
+async def test_a_small_object_waits_for_a_slot_a_large_one_never() -> None:
+    pool, bufs = _pool(capacity=64 << 10)
+    held = await pool.take(4096)
+    big = await pool.take(40 << 10, wait=30)  # over half the region: no wait, dedicated
+    assert big.dedicated
+    filler = await pool.take(32 << 10)
+    other = pool.take_slot(16 << 10)
+    assert other is not None and pool.take_slot(16 << 10) is None
+
+    async def free_soon() -> None:
+        await anyio.sleep(0.05)
+        other.release()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(free_soon)
+        with anyio.fail_after(10):
+            waited = await pool.take(16 << 10, wait=30)
+    assert not waited.dedicated and waited.offset == other.offset
+    for x in (held, big, filler, waited):
+        x.release()
+    assert bufs.made == [40 << 10]
+
+
+@pytest.mark.asyncio
+async def test_large_objects_use_kept_buffers_of_the_region_size() -> None:
+    pool, bufs = _pool(capacity=64 << 10, keep=2)
+    small = await pool.take(1024)
+    one = await pool.take(33 << 10)  # over half: carved separately, kept
+    two = await pool.take(40 << 10)
+    three = await pool.take(50 << 10)  # both kept ones busy: a transient one
+    assert (one.kept, two.kept, three.kept) == (True, True, False)
+    assert bufs.made == [64 << 10, 64 << 10, 50 << 10]
+    for x in (one, two, three):
+        x.release()
+    assert bufs.destroyed == [3]  # the kept ones stay
+    again = await pool.take(60 << 10)
+    assert again.kept and again.buffer in (1, 2) and len(bufs.made) == 3
+    huge = await pool.take(100 << 10)  # beyond the region: never kept
+    assert not huge.kept
+    for x in (again, huge, small):
+        x.release()
+    await pool.aclose()
+    assert sorted(bufs.destroyed) == [1, 2, 3, 4]
+
+
+@pytest.mark.asyncio
+async def test_deferred_and_quarantined_leases() -> None:
+    pool, bufs = _pool(capacity=16 << 10, min_block=4096)
+    done = False
+    a = await pool.take(8 << 10)
+    a.release_when(lambda: done)
+    a.release()  # no effect: already on its way
+    b = await pool.take(8 << 10)
+    assert pool.take_slot(4096) is None and pool.pending == 1
+    done = True
+    c = pool.take_slot(4096)  # looking for a slot reclaims what is done
+    assert c is not None and pool.pending == 0
+    b.quarantine()
+    b.release()  # no effect on a quarantined lease
+    assert pool.quarantined == 1 and pool.bytes_in_use == (8 << 10) + 4096
+    d = await pool.take(8 << 10)  # the quarantined slot is not reused
+    assert d.dedicated
+    d.quarantine()
+    c.release()
+    await pool.aclose()
+    assert bufs.destroyed == [1]  # the quarantined dedicated buffer, at close
+    assert pool.live == 0
+    with pytest.raises(BackendClosedError):
+        await pool.take(10)
+    d.release()  # inert after close
+
+
+@pytest.mark.asyncio
+async def test_without_dedicated_buffers_a_full_pool_is_an_error() -> None:
+    pool: SlotPool[int] = SlotPool("bare", capacity=8192, option="pool_size")
+    x = await pool.take(8192)
+    with pytest.raises(BackendError, match="pool_size"):
+        await pool.take(1)
+    x.release()
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["take", "free"]), st.integers(1, 40_000)), max_size=60))
+def test_slots_never_overlap(ops: list[tuple[str, int]]) -> None:
+    pool: SlotPool[int] = SlotPool("p", capacity=1 << 17, min_block=4096)
+    live: list[Lease[int]] = []
+    for op, n in ops:
+        if op == "take":
+            lease = pool.take_slot(n)
+            if lease is not None:
+                live.append(lease)
+        elif live:
+            live.pop(n % len(live)).release()
+        spans = sorted((x.offset, x.offset + x.size) for x in live)
+        assert all(a[1] <= b[0] for a, b in itertools.pairwise(spans))
+        assert all(x.size >= x.nbytes for x in live)
+    for x in live:
+        x.release()
+    assert pool.bytes_in_use == 0
+
+
+def test_poll_until_times_out_cancels_and_propagates() -> None:
+    calls = iter(range(100))
+    poll_until(lambda: next(calls) >= 3, timeout=5, what="x")
+    with pytest.raises(TransferTimeoutError, match=r"read 1 did not finish within 0\.05 s"):
+        poll_until(lambda: False, timeout=0.05, what="read 1")
+    with pytest.raises(BackendError, match="cancelled"):
+        poll_until(lambda: False, timeout=5, what="read 2", cancelled=lambda: True)
+
+    def fails() -> bool:
+        raise BackendError("engine said no")
+
+    with pytest.raises(BackendError, match="engine said no"):
+        poll_until(fails, timeout=5, what="read 3")
+
+
+def test_releaser_runs_in_order_off_the_caller_and_inline_after_stop() -> None:
+    r = Releaser("test-releaser")
+    seen: list[tuple[int, str]] = []
+    for i in range(3):
+        r.submit(lambda i=i: seen.append((i, threading.current_thread().name)))
+    r.submit(lambda: 1 / 0)  # logged, not raised
+    assert r.wait_idle(5)
+    assert [i for i, _ in seen] == [0, 1, 2] and {n for _, n in seen} == {"test-releaser"}
+    r.stop()
+    r.submit(lambda: seen.append((9, threading.current_thread().name)))
+    assert seen[-1] == (9, threading.current_thread().name)
+
+
+@pytest.mark.asyncio
+async def test_registration_cache_reuses_bounds_and_unregisters() -> None:
+    registered: list[tuple[int, int]] = []
+    unregistered: list[int] = []
+    releaser = Releaser("reg")
+
+    def register(addr: int, n: int, device: torch.device) -> int:
+        registered.append((addr, n))
+        return addr
+
+    cache = RegistrationCache(register, unregistered.append, releaser, max_entries=2)
+    ts = [torch.ones(100 + i) for i in range(3)]
+    k0, h0 = await cache.acquire(ts[0])
+    k0b, h0b = await cache.acquire(ts[0][10:])  # a view of the same storage: a hit
+    assert (k0, h0) == (k0b, h0b) and len(registered) == 1 and cache.hits == 1
+    k1, _ = await cache.acquire(ts[1])
+    k2, _ = await cache.acquire(ts[2])  # three in use: nothing can be evicted yet
+    assert len(cache) == 3 and not unregistered
+    for k in (k0, k0b, k1):
+        cache.release(k)
+    assert releaser.wait_idle(5)
+    assert unregistered == [h0] and len(cache) == 2  # the least recently used, unused one
+    cache.release(k2)
+    assert sorted(cache.clear()) == sorted(a for a, _ in registered[1:])
+    releaser.stop()
+
+
+def test_host_memory_and_ranges() -> None:
+    m = HostMemory(1 << 16)
+    m.tensor[:4] = torch.tensor([1, 2, 3, 4], dtype=torch.uint8)
+    assert m.addr == m.tensor.data_ptr() and m.size == 1 << 16
+    m.discard()
+    assert int(m.tensor[:4].sum()) == 0  # pages given back, mapping kept
+    m.close()
+    check_range(0, 5, 5, "x")
+    with pytest.raises(BackendError, match="outside a 5-byte"):
+        check_range(2, 6, 5, "x")
+    with pytest.raises(BackendError, match="outside"):
+        check_range(3, 2, 5, "x")
+    time.sleep(0)

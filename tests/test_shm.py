@@ -1,0 +1,90 @@
+"""shm without the cliff: a large object never waits behind an unrelated small one, and
+an endpoint that only receives creates no arena."""
+
+from __future__ import annotations
+
+import os
+import secrets
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import anyio
+import pytest
+import torch
+
+from omniwire import Endpoint
+from omniwire.backends.shm import SHM_DIR
+from omniwire.testing.conformance import ipc_address
+
+MiB = 1 << 20
+
+
+def _segments(prefix: str) -> list[str]:
+    return [n for n in os.listdir(SHM_DIR) if n.startswith(prefix + "-")]
+
+
+@asynccontextmanager
+async def _pair(**shm: Any) -> AsyncIterator[tuple[Endpoint, Endpoint]]:
+    """A sender and a zero-copy receiver in this process, over shm."""
+    tag = secrets.token_hex(3)
+    ntx, nrx = f"tx-{tag}", f"rx-{tag}"
+    opts = {"shm": shm}
+    rx = Endpoint(
+        nrx,
+        address=ipc_address(nrx),
+        backends=["shm"],
+        routes={ntx: "shm"},
+        zero_copy=True,
+        backend_options=opts,
+    )
+    async with rx:
+        tx = Endpoint(
+            ntx,
+            address=ipc_address(ntx),
+            peers={nrx: rx.address},
+            backends=["shm"],
+            routes={nrx: "shm"},
+            backend_options=opts,
+            ack_timeout=120,
+        )
+        async with tx:
+            await tx.wait_peer(nrx, 30)
+            yield tx, rx
+
+
+@pytest.mark.asyncio
+async def test_a_receiving_endpoint_creates_no_arena() -> None:
+    async with _pair() as (tx, rx):
+        with anyio.fail_after(30):
+            receipt = await tx.send(rx.name, {"t": torch.ones(1000)}, request_id="r")
+            async with await rx.receive():
+                pass
+            await receipt.wait()
+        assert _segments(tx.backend("shm").prefix)  # type: ignore[attr-defined]
+        assert _segments(rx.backend("shm").prefix) == []  # type: ignore[attr-defined]
+        assert rx.backend("shm").stats().detail["arena_bytes"] == 0
+
+
+@pytest.mark.parametrize("size", [33 * MiB, 64 * MiB], ids=["33MiB", "64MiB"])
+@pytest.mark.asyncio
+async def test_a_large_object_never_waits_behind_a_held_small_one(size: int) -> None:
+    """Before: the large object needed the whole 64 MiB arena, waited ``arena_wait``
+    for the held 1 KiB slot, then got a fresh segment. Here ``arena_wait`` is 60 s:
+    waiting at all would run past the bound."""
+    async with _pair(arena_size=64 * MiB, arena_wait=60) as (tx, rx):
+        with anyio.fail_after(30):
+            small = await tx.send(rx.name, {"s": torch.ones(256)}, request_id="small")
+            held = await rx.receive()  # a zero-copy consumer keeps it: its slot stays taken
+            for i in range(3):
+                big = torch.full((size // 4,), float(i))
+                receipt = await tx.send(rx.name, {"b": big}, request_id=f"big{i}")
+                async with await rx.receive() as d:
+                    assert torch.equal(d.payload["b"], big)
+                await receipt.wait()
+            held.release()
+            await small.wait()
+        detail = tx.backend("shm").stats().detail
+        assert detail["arena_kept"] == 1  # one kept segment carried all three, warm
+        assert detail["arena_dedicated_created"] == 1
+        assert tx.backend("shm").stats().idle and rx.backend("shm").stats().idle
