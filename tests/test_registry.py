@@ -149,3 +149,17 @@ def test_cli_backends_lists_every_backend_with_its_status() -> None:
     import torch
 
     assert cuda[2] == ("available" if torch.cuda.is_available() else "unavailable")
+
+
+def test_a_code_registration_shadows_a_built_in_until_unregistered() -> None:
+    class Shadow(ShmBackend):
+        pass
+
+    registry.register_backend("shm", Shadow, replace=True)
+    try:
+        assert registry.load_backend("shm") is Shadow
+        assert registry.backend_status("shm").source == "registered in code"
+    finally:
+        registry.unregister_backend("shm")
+    assert registry.load_backend("shm") is ShmBackend
+    assert registry.backend_status("shm").source == "built-in"

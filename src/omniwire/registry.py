@@ -67,6 +67,7 @@ class BackendEntry:
 
 _lock = threading.RLock()
 _entries: dict[str, BackendEntry] = {}
+_shadowed: dict[str, BackendEntry] = {}  # entries a code registration replaced
 _discovered = False
 
 
@@ -200,6 +201,9 @@ def load_backend(name: str) -> type[BackendBase]:
 def register_backend(name: str, cls: type[BackendBase], *, replace: bool = False) -> None:
     """Register a backend class in code (for tests, or apps that ship their own).
 
+    With ``replace=True`` it shadows the entry of that name (a built-in, say) until
+    :func:`unregister_backend` restores it.
+
     Raises:
         ValueError: ``name`` is taken and ``replace`` is False.
         PluginError: ``cls`` does not implement the interface.
@@ -207,19 +211,27 @@ def register_backend(name: str, cls: type[BackendBase], *, replace: bool = False
     _discover()
     check_interface(name, cls, "registered in code")
     with _lock:
-        if name in _entries and not replace:
+        old = _entries.get(name)
+        if old is not None and not replace:
             raise ValueError(
-                f"backend {name!r} is already registered ({_entries[name].source}); "
+                f"backend {name!r} is already registered ({old.source}); "
                 "pass replace=True to override it"
             )
+        if old is not None and name not in _shadowed:
+            _shadowed[name] = old
         _entries[name] = BackendEntry(name, "registered in code", cls.__qualname__, cls=cls)
 
 
 def unregister_backend(name: str) -> None:
-    """Remove a backend registered in code (tests use this)."""
+    """Remove a backend registered in code; the entry it shadowed comes back."""
     with _lock:
         entry = _entries.get(name)
-        if entry is not None and entry.entry_point is None:
+        if entry is None or entry.entry_point is not None:
+            return
+        shadowed = _shadowed.pop(name, None)
+        if shadowed is not None:
+            _entries[name] = shadowed
+        else:
             del _entries[name]
 
 
