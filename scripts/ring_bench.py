@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import secrets
 import socket
@@ -38,10 +39,10 @@ from collections import deque
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-import zmq  # noqa: E402
-import zmq.asyncio  # noqa: E402
+import zmq
+import zmq.asyncio
 
-from omniwire.ring import RingReader, RingWriter  # noqa: E402
+from omniwire.ring import RingReader, RingWriter
 
 SIZES = (64, 1024)
 TRANSPORTS = ("ring", "zmq.asyncio", "zmq blocking")
@@ -285,7 +286,9 @@ async def parent_main(args: argparse.Namespace) -> None:
     print(f"\none-way pipelined 1 KiB, msgs/s ({args.messages} per round, median of rounds)")
     zr = statistics.median(thr["zmq.asyncio"])
     for t, v in thr.items():
-        print(f"{t:14s} {statistics.median(v):10.0f}  ({statistics.median(v) / zr:.2f}× zmq.asyncio)")
+        print(
+            f"{t:14s} {statistics.median(v):10.0f}  ({statistics.median(v) / zr:.2f}× zmq.asyncio)"
+        )
 
 
 # -- doorbell options -----------------------------------------------------------------------
@@ -303,10 +306,8 @@ class _Fifo:
         os.write(self.w, b"\0")
 
     def drain(self) -> None:
-        try:
+        with contextlib.suppress(BlockingIOError):
             os.read(self.r, 4096)
-        except BlockingIOError:
-            pass
 
 
 class _Dgram:
@@ -322,10 +323,8 @@ class _Dgram:
         return self.s.fileno()
 
     def ring(self) -> None:
-        try:
+        with contextlib.suppress(ConnectionRefusedError, FileNotFoundError):
             self.o.sendto(b"\0", self.peer)
-        except (ConnectionRefusedError, FileNotFoundError):
-            pass
 
     def drain(self) -> None:
         try:
@@ -346,18 +345,17 @@ class _Eventfd:
         os.eventfd_write(self.w, 1)
 
     def drain(self) -> None:
-        try:
+        with contextlib.suppress(BlockingIOError):
             os.eventfd_read(self.r)
-        except BlockingIOError:
-            pass
 
 
-_BELLS = {"fifo": _Fifo, "dgram": _Dgram, "eventfd": _Eventfd}
+_Bell = _Fifo | _Dgram | _Eventfd
+_BELLS: dict[str, type[_Bell]] = {"fifo": _Fifo, "dgram": _Dgram, "eventfd": _Eventfd}
 
 
 async def _bell_pingpong(kind: str, mine: str, theirs: str, n: int, initiator: bool) -> None:
     loop = asyncio.get_running_loop()
-    bell = _BELLS[kind](mine, theirs)
+    bell: _Bell = _BELLS[kind](mine, theirs)
     q: asyncio.Queue[None] = asyncio.Queue()
 
     def cb() -> None:
@@ -410,15 +408,16 @@ def doorbells(args: argparse.Namespace) -> None:
     print("ring + drain with nobody waiting (the syscall cost), µs")
     for kind in _BELLS:
         tok = secrets.token_hex(4)
+        bell: _Bell
         if kind == "fifo":
             a = f"/dev/shm/ringbench-{tok}"
             os.mkfifo(a, 0o600)
             bell = _Fifo(a, a)
         elif kind == "dgram":
-            bell = _Dgram(f"ringbench-{tok}", f"ringbench-{tok}")  # type: ignore[assignment]
+            bell = _Dgram(f"ringbench-{tok}", f"ringbench-{tok}")
         else:
             e = os.eventfd(0, os.EFD_NONBLOCK)
-            bell = _Eventfd(str(e), str(e))  # type: ignore[assignment]
+            bell = _Eventfd(str(e), str(e))
         t = time.perf_counter()
         for _ in range(20000):
             bell.ring()

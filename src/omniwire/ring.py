@@ -82,22 +82,27 @@ overwrite. So the reader never sees a record before its bytes, and the writer
 never overwrites bytes the reader has not copied out.
 
 No lost wakeup (the reader). The writer rings the reader's doorbell only when the
-reader has said it is going to sleep, so a stream of frames costs no syscall
-per frame::
+reader has said it is going to sleep, and once per sleep, so a stream of frames
+costs no syscall per frame. ``sleeping`` is 0 while the reader is awake and a new
+number (its sleep count, ``E``) each time it goes to sleep::
 
     writer W                          reader R (about to wait in epoll)
-    w1  store tail                    r1  store sleeping = 1
+    w1  store tail                    r1  store sleeping = E
     w2  _fence()                      r2  _fence()
-    w3  if load sleeping: ring        r3  if load tail != head: sleeping = 0, go on
-                                          else: return to the event loop
+    w3  s = load sleeping             r3  if load tail != head: sleeping = 0, go on
+        if s and s != rung:               else: return to the event loop
+            rung = s; ring
 
 This is the store-buffering litmus test with a full fence on both sides, which
-forbids both loads from missing the other side's store: either w3 sees
-``sleeping == 1`` and rings (the byte stays in the FIFO until R reads it, so a ring
-that comes before R reaches epoll still wakes it), or r3 sees the new tail and R
-does not sleep. Both may happen; the cost is one spurious wakeup. While R is
-awake it keeps ``sleeping == 0`` and re-runs this check before every sleep; when
-it stays awake to let other tasks run it reschedules itself with ``call_soon``.
+forbids both loads from missing the other side's store: either w3 sees ``E`` or
+r3 sees the new tail. If r3 sees it, R does not sleep. If w3 sees ``E`` it rings,
+unless it rang for ``E`` already; either way a byte for sleep ``E`` is in the FIFO
+(it stays there until R reads it, so a ring that comes before R reaches epoll
+still wakes it), and R, woken by it, takes frames and then runs r1–r3 again with
+``E + 1`` — which w3 did not see, so, by the same litmus test, that r3 sees our
+tail. Spurious wakeups are possible and cost one empty pass. While R is awake it
+keeps ``sleeping == 0``; when it stays awake to let other tasks run it reschedules
+itself with ``call_soon``.
 
 No lost wakeup (the writer, when the ring is full). Same pattern with roles
 swapped: the writer stores ``want = (seq << 32) | bytes_needed``, fences, and loads
@@ -229,7 +234,7 @@ class _Mapping:
     def __init__(self, segment: Segment) -> None:
         self.segment = segment
         self._array = segment.base.numpy()
-        self._mv = memoryview(self._array)
+        self._mv = self._array.data
         self.words = self._mv[:_DATA_OFFSET].cast("Q")
         self.data = self._mv[_DATA_OFFSET:]
 
@@ -314,6 +319,7 @@ class RingReader:
         self._parts: list[bytes] = []
         self._partial = 0
         self._last_want = 0
+        self._epoch = 1  # the value of ``sleeping`` while asleep: one more per sleep
         self._names_unlinked = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._on_frames: Callable[[list[bytes]], None] | None = None
@@ -527,7 +533,7 @@ class RingReader:
             return
         if frames:
             self._deliver(frames)
-            if self._closed:
+            if self._map is None:  # the callback closed this reader
                 return
         if not self._names_unlinked and words[_W_WRITER_PID]:
             self._unlink_names()
@@ -536,7 +542,8 @@ class RingReader:
                 log.info("ring %s: the writer closed in the middle of a frame", self.name)
             self._end(None)
             return
-        words[_W_SLEEPING] = 1
+        self._epoch += 1
+        words[_W_SLEEPING] = self._epoch
         _fence()
         if words[_W_TAIL] != self._head or words[_W_WRITER_CLOSED]:
             words[_W_SLEEPING] = 0
@@ -590,8 +597,7 @@ class RingReader:
                     self._partial = 0
             elif n > self.max_frame:
                 raise RingError(
-                    f"ring {self.name}: a frame of {n} bytes exceeds the limit of "
-                    f"{self.max_frame}"
+                    f"ring {self.name}: a frame of {n} bytes exceeds the limit of {self.max_frame}"
                 )
             else:
                 frames.append(chunk)
@@ -660,6 +666,7 @@ class RingWriter:
         self.max_frame = max_frame
         #: Times this writer rang the reader's doorbell (for measurements).
         self.bells_rung = 0
+        self._rung = 0  # the reader's sleep we rang for
         self._map: _Mapping | None = mapping
         self._words = mapping.words
         self._data = mapping.data
@@ -877,7 +884,9 @@ class RingWriter:
         words = self._words
         words[_W_TAIL] = self._tail
         _fence()
-        if words[_W_SLEEPING]:
+        asleep = words[_W_SLEEPING]
+        if asleep and asleep != self._rung:  # once per sleep of the reader
+            self._rung = asleep
             self.bells_rung += 1
             _ring(self._reader_bell)
 
@@ -952,17 +961,16 @@ class RingWriter:
             return
         if self._remainder is not None:
             self._pump()
-        if self._waiters and self._remainder is None:
-            if self._writable():
-                self._disarm()
-                for fut in self._waiters:
-                    if not fut.done():
-                        fut.set_result(None)
-            elif self._arm(self._need):  # rang early (room for a fragment, not for us)
-                self._disarm()
-                for fut in self._waiters:
-                    if not fut.done():
-                        fut.set_result(None)
+        # _arm: the reader may have rung for room for a fragment, less than we need.
+        if (
+            self._waiters
+            and self._remainder is None
+            and (self._writable() or self._arm(self._need))
+        ):
+            self._disarm()
+            for fut in self._waiters:
+                if not fut.done():
+                    fut.set_result(None)
 
     def _fail_waiters(self) -> None:
         for fut in self._waiters:
