@@ -3,6 +3,7 @@ two processes, leaks, idle CPU, close and dead peers."""
 
 from __future__ import annotations
 
+import array
 import asyncio
 import os
 import random
@@ -34,11 +35,11 @@ class Sender:
 
     def __init__(self, writer: RingWriter) -> None:
         self.writer = writer
-        self.pending: deque[bytes] = deque()
+        self.pending: deque[bytes | bytearray | memoryview] = deque()
         self.refused = 0
         self._task: asyncio.Task[None] | None = None
 
-    def send(self, data: bytes) -> None:
+    def send(self, data: bytes | bytearray | memoryview) -> None:
         if not self.pending and self.writer.send_nowait(data):
             return
         self.refused += 1
@@ -176,6 +177,29 @@ async def test_a_stream_rings_the_doorbell_far_less_than_once_per_frame() -> Non
         for i in range(200):
             assert writer.send_nowait(frame(i, 1024))
         assert writer.bells_rung - before <= 1
+    finally:
+        writer.close()
+        reader.close()
+
+
+@pytest.mark.asyncio
+async def test_any_bytes_like_frame_travels_as_its_bytes() -> None:
+    """bytearray and memoryviews of any format (whose len() counts items, not bytes),
+    whole and in fragments."""
+    reader = RingReader.create(4096)
+    writer = RingWriter.attach(reader.name)
+    words = array.array("Q", range(100))
+    frames: list[bytes | bytearray | memoryview] = [
+        bytearray(b"abc"),
+        memoryview(words),
+        memoryview(words * 20),  # 16 000 bytes: fragments
+        memoryview(b"0123456789")[2:7],
+    ]
+    try:
+        sender = Sender(writer)
+        for f in frames:
+            sender.send(f)
+        assert await receive(reader, len(frames)) == [bytes(f) for f in frames]
     finally:
         writer.close()
         reader.close()

@@ -775,6 +775,8 @@ class RingWriter:
         """
         if self._remainder is not None or self._closed or self._reader_closed:
             return False
+        if type(frame) is not bytes:  # exact type: the common case stays cheap
+            frame = memoryview(frame).cast("B")
         n = len(frame)
         size = 8 + _pad(n)
         cap = self.capacity
@@ -791,8 +793,7 @@ class RingWriter:
                 if free < self._low_water:
                     self._need = min(size, self._low_water)
                     return False
-                view = frame if isinstance(frame, memoryview) else memoryview(frame)
-                self._remainder = view.cast("B") if view.format != "B" else view
+                self._remainder = memoryview(frame)
                 self._pump()
                 return True
         elif n > self.max_frame:
@@ -871,9 +872,7 @@ class RingWriter:
         if end <= cap:
             data[start:end] = frame
         else:
-            view = frame if isinstance(frame, memoryview) else memoryview(frame)
-            if view.format != "B":
-                view = view.cast("B")
+            view = memoryview(frame)
             k = cap - start
             data[start:] = view[:k]
             data[: end - cap] = view[k:]
