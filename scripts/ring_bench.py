@@ -364,6 +364,7 @@ async def _bell_pingpong(kind: str, mine: str, theirs: str, n: int, initiator: b
 
     loop.add_reader(bell.fileno(), cb)
     if not initiator:
+        print("READY", flush=True)
         for _ in range(n + 100):
             await q.get()
             bell.ring()
@@ -396,10 +397,15 @@ def doorbells(args: argparse.Namespace) -> None:
                 ea, eb = os.eventfd(0, os.EFD_NONBLOCK), os.eventfd(0, os.EFD_NONBLOCK)
                 a, b, fds = str(ea), str(eb), (ea, eb)
             child = subprocess.Popen(
-                [sys.executable, __file__, "--bell-child", kind, b, a, str(args.n)], pass_fds=fds
+                [sys.executable, __file__, "--bell-child", kind, b, a, str(args.n)],
+                pass_fds=fds,
+                stdout=subprocess.PIPE,
+                text=True,
             )
+            assert child.stdout is not None and child.stdout.readline().strip() == "READY"
             asyncio.run(_bell_pingpong(kind, a, b, args.n, True))
             child.wait(60)
+            child.stdout.close()
             if kind == "fifo":
                 os.unlink(a)
                 os.unlink(b)

@@ -63,14 +63,15 @@ What we rely on. Python has no atomics, so:
    four. ``_ordered()`` is the barrier for the first three cases: a no-op on
    x86-64, a full barrier elsewhere. ``_fence()`` is the full (store→load) barrier
    everywhere: CPython has none, so it takes and releases a ``threading.Lock``.
-   An uncontended lock is an atomic read-modify-write in the C library (glibc's
-   ``sem_trywait``/``sem_post`` in CPython ≤ 3.12, ``PyMutex`` after): on x86-64
-   each is a ``lock``-prefixed instruction, which is a full barrier; on AArch64
-   we take and release it twice, so that release (unlock 1) is followed by
-   acquire (lock 2), which ARMv8 orders (RCsc), making every access before the
-   fence ordered before every access after it. This is the same reliance as
-   vLLM's ``shm_broadcast`` memory fence. The interpreter itself adds no reordering
-   we could see: every access is a separate call through the eval loop.
+   Taking and releasing an uncontended lock are atomic read-modify-writes (any
+   lock needs them; on CPython 3.11 with glibc, the compare-and-swap of
+   ``sem_trywait`` and of ``sem_post``), with acquire and release semantics. On
+   x86-64 each is a ``lock``-prefixed instruction, which is a full barrier. On
+   AArch64 we take and release it twice, so that a release (unlock 1) is followed
+   by an acquire (lock 2), which ARMv8 keeps in order (RCsc): every access before
+   the fence is then ordered before every access after it. The interpreter adds
+   no reordering of its own: every access is a separate call through the eval
+   loop. Cost here: 0.1 µs per ``_fence()``.
 3. *Doorbells synchronise.* A byte written to a FIFO and read by the other side
    goes through the kernel's pipe lock, so everything the ringer stored before
    the write is visible to the woken side after its read.
@@ -122,10 +123,11 @@ doorbell FIFO is gone), and the endpoint's own process-liveness check applies.
 A reader that finds the shared state inconsistent (a buggy or hostile writer)
 stops and reports a :class:`RingError`; it never reads outside its mapping.
 
-Doorbell choice, measured on this 2-core VM (asyncio ping-pong of a bare
-doorbell between two processes, ``scripts/ring_bench.py --doorbells``): FIFO
-p50 30–48 µs, eventfd 29–42 µs, unix datagram (abstract name) 38–98 µs; ring +
-drain with nobody waiting: eventfd 0.7 µs, FIFO 1.1 µs, datagram 3.5 µs. A FIFO is
+Doorbell choice, measured on the team's shared 2-core VM (asyncio ping-pong of a
+bare doorbell between two processes, ``scripts/ring_bench.py --doorbells``, seven
+interleaved rounds in two runs): p50 FIFO 30–56 µs, eventfd 29–51 µs, unix
+datagram (abstract name) 38–121 µs; ring + drain with nobody waiting: eventfd
+0.7–1.0 µs, FIFO 1.1–1.6 µs, datagram 3.5–3.8 µs. A FIFO is
 as fast as an eventfd within noise, is opened by path (an eventfd cannot be: it
 would need a unix-socket rendezvous to pass it with ``SCM_RIGHTS``), lives in
 /dev/shm beside the segment — so it reaches exactly the processes the segment
