@@ -550,6 +550,26 @@ async def test_echo_through_another_process(
 
 
 @pytest.mark.asyncio
+async def test_a_long_stream_through_another_process(child: Child) -> None:
+    """Thousands of frames both ways at once, so that each side's reader keeps going to
+    sleep and waking while the other writes: a lost wakeup would stall the stream."""
+    rng = random.Random(7)
+    frames = [frame(i, rng.choice((0, 8, 100, 1000, 5000, 70_000))) for i in range(3000)]
+    reader, writer = await _echo_pair(child, 65536)
+    try:
+        sender = Sender(writer)
+        got_task = asyncio.ensure_future(receive(reader, len(frames)))
+        for i, f in enumerate(frames):
+            sender.send(f)
+            if i % 7 == 0:
+                await asyncio.sleep(0)
+        assert await got_task == frames
+    finally:
+        writer.close()
+        reader.close()
+
+
+@pytest.mark.asyncio
 async def test_idle_rings_use_no_cpu(child: Child) -> None:
     """An idle reader sleeps in epoll: over one idle second neither this process nor
     the child (each with a started reader and an attached writer) spends CPU."""
@@ -597,6 +617,8 @@ async def test_a_killed_peer_wedges_nothing_and_leaks_nothing() -> None:
                 break
         else:
             pytest.fail("a ring nobody reads must fill up")
+        with pytest.raises(RingClosedError, match="is gone"):
+            RingWriter.attach(offered)
         removed = sweep_stale_segments()
         assert _files_of(offered) == set()
         assert {f"{offered}-{n}" for n in range(3)} <= set(removed)

@@ -704,6 +704,7 @@ class RingWriter:
         default the running loop).
 
         Raises:
+            RingClosedError: the reader closed the ring or its process ended.
             RingError: the name is malformed or not ``owner_pid``'s, the ring does not
                 exist (any more) or is not a ring, or it has a writer already.
             RuntimeError: no ``loop`` given and no event loop is running.
@@ -742,6 +743,8 @@ class RingWriter:
                 fcntl.flock(fds[0], fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError as exc:
                 raise RingError(f"ring {name} has a writer already: {exc}") from exc
+            if not _held_by_other(fds[1]):
+                raise RingClosedError(f"the reader of ring {name} is gone (its process ended)")
             writer = cls(name, capacity, mapping, fds[0], fds[1], loop, max_frame)
         except BaseException:
             for fd in fds:
