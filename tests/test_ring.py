@@ -330,6 +330,19 @@ async def test_attach_checks_the_name_the_owner_and_a_single_writer() -> None:
         RingWriter.attach(reader.name)
 
 
+@pytest.mark.asyncio
+@pytest.mark.parametrize("size", [100, 8192])
+async def test_attach_refuses_a_segment_that_is_not_a_ring(size: int) -> None:
+    name = f"omniwire-{os.getpid()}-00c0ffee00c0ffee"
+    segment = Segment.create(name + "-0", size)
+    try:
+        with pytest.raises(RingError, match="is not a version-1 omniwire ring"):
+            RingWriter.attach(name)
+    finally:
+        segment.unlink()
+        segment.close()
+
+
 def test_capacity_must_be_a_power_of_two() -> None:
     with pytest.raises(ValueError, match="power of two"):
         RingReader.create(5000)
@@ -374,6 +387,30 @@ async def test_a_corrupt_ring_stops_the_reader_with_an_error_not_a_crash(
         words.release()
         mv.release()
         segment.close()
+        reader.close()
+
+
+@pytest.mark.asyncio
+async def test_a_reader_publishing_an_impossible_head_breaks_the_ring_not_the_writer() -> None:
+    """The writer trusts nothing it reads either: a head beyond its tail refuses further
+    frames and fails the waiter, instead of writing outside the ring."""
+    reader = RingReader.create(4096)
+    segment = Segment.attach(reader.name + "-0")
+    words = memoryview(segment.base.numpy()).cast("B")[:4096].cast("Q")
+    writer = RingWriter.attach(reader.name)
+    try:
+        words[32] = 1 << 40  # the head
+        sent = 0
+        while writer.send_nowait(bytes(500)):
+            sent += 1
+        assert sent < 9
+        with anyio.fail_after(10), pytest.raises(RingError, match="published head"):
+            await writer.wait_writable()
+        assert writer.closed and not writer.send_nowait(b"x")
+    finally:
+        words.release()
+        segment.close()
+        writer.close()
         reader.close()
 
 

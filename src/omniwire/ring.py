@@ -684,6 +684,7 @@ class RingWriter:
         self._want_seq = 0
         self._waiters: list[asyncio.Future[None]] = []
         self._reader_closed = False
+        self._error: RingError | None = None  # the reader broke the ring
         self._closed = False
         loop.add_reader(bell_fd, self._on_bell)
 
@@ -720,6 +721,9 @@ class RingWriter:
             segment = Segment.attach(f"{name}-0", directory)
         except OmniwireError as exc:
             raise RingError(f"cannot attach ring {name}: {exc}") from exc
+        if segment.size < _DATA_OFFSET + _MIN_CAPACITY:
+            segment.close()
+            raise RingError(f"{name} is not a version-{_VERSION} omniwire ring (too small)")
         mapping = _Mapping(segment)
         fds: list[int] = []
         try:
@@ -787,9 +791,7 @@ class RingWriter:
         cap = self.capacity
         tail = self._tail
         if size > cap - (tail - self._head_seen):
-            self._head_seen = self._words[_W_HEAD]
-            _ordered()
-            free = cap - (tail - self._head_seen)
+            free = self._free()
             if size > free:
                 if n > self.max_frame:
                     raise RingError(
@@ -814,6 +816,7 @@ class RingWriter:
 
         Raises:
             RingClosedError: this writer or the reader closed the ring.
+            RingError: the reader published an impossible head (a bug, or hostile).
         """
         while True:
             self._check_open()
@@ -902,9 +905,7 @@ class RingWriter:
         while rest is not None:
             free = cap - (self._tail - self._head_seen)
             if free < min(8 + _pad(len(rest)), self._low_water):
-                self._head_seen = self._words[_W_HEAD]
-                _ordered()
-                free = cap - (self._tail - self._head_seen)
+                free = self._free()
                 if free < min(8 + _pad(len(rest)), self._low_water):
                     if wrote:
                         self._publish()
@@ -929,9 +930,26 @@ class RingWriter:
         self._want_seq = (self._want_seq + 1) & 0xFFFFFFFF or 1
         self._words[_W_WANT] = (self._want_seq << 32) | need
         _fence()
-        self._head_seen = self._words[_W_HEAD]
+        return self._free() >= need
+
+    def _free(self) -> int:
+        """Free bytes, from the reader's current head; -1 if the reader published a head
+        that cannot be (then the ring is marked broken)."""
+        if self._error is not None:
+            return -1
+        head = self._words[_W_HEAD]
         _ordered()
-        return self.capacity - (self._tail - self._head_seen) >= need
+        used = self._tail - head
+        if not 0 <= used <= self.capacity:
+            self._fail(
+                RingError(
+                    f"ring {self.name}: the reader published head {head} with the tail at "
+                    f"{self._tail} (capacity {self.capacity})"
+                )
+            )
+            return -1
+        self._head_seen = head
+        return self.capacity - used
 
     def _disarm(self) -> None:
         if self._map is not None and self._words[_W_WANT]:
@@ -942,14 +960,14 @@ class RingWriter:
             return False
         free = self.capacity - (self._tail - self._head_seen)
         if free < self._need:
-            self._head_seen = self._words[_W_HEAD]
-            _ordered()
-            free = self.capacity - (self._tail - self._head_seen)
+            free = self._free()
         return free >= self._need
 
     def _check_open(self) -> None:
         if self._closed:
             raise RingClosedError(f"ring {self.name} is closed")
+        if self._error is not None:
+            raise self._error
         if self._reader_closed:
             raise RingClosedError(f"the reader of ring {self.name} closed it")
 
@@ -975,6 +993,13 @@ class RingWriter:
             for fut in self._waiters:
                 if not fut.done():
                     fut.set_result(None)
+
+    def _fail(self, error: RingError) -> None:
+        log.warning("%s", error)
+        self._error = error
+        self._reader_closed = True
+        self._remainder = None
+        self._fail_waiters()
 
     def _fail_waiters(self) -> None:
         for fut in self._waiters:
