@@ -225,7 +225,9 @@ async def test_close_is_idempotent_and_releases_fds_mappings_and_names() -> None
     reader = RingReader.create(8192)
     name = reader.name
     assert len(_files_of(name)) == 3, "segment and two doorbells until a writer attaches"
+    assert reader.writer_pid is None and not reader.writer_attached
     writer = RingWriter.attach(name)
+    assert reader.writer_pid == os.getpid()
     reader.start(lambda frames: None)
     with anyio.fail_after(10):
         while _files_of(name):  # the reader unlinks its names once the writer is in
@@ -577,6 +579,7 @@ async def test_echo_through_another_process(
     frames = [frame(i, n) for i, n in enumerate(lengths)]
     reader, writer = await _echo_pair(child, capacity)
     try:
+        assert reader.writer_pid == child.proc.pid
         sender = Sender(writer)
         for f in frames:
             sender.send(f)

@@ -400,7 +400,15 @@ class RingReader:
     @property
     def writer_attached(self) -> bool:
         """Whether a writer has attached (it may have closed since)."""
-        return self._map is not None and self._words[_W_WRITER_PID] != 0
+        return self.writer_pid is not None
+
+    @property
+    def writer_pid(self) -> int | None:
+        """The pid the writer wrote when it attached (None: not attached, or closed
+        here). Compare it with the peer's before trusting frames as the peer's."""
+        if self._map is None:
+            return None
+        return self._words[_W_WRITER_PID] or None
 
     @property
     def closed(self) -> bool:
