@@ -198,8 +198,8 @@ def _owner_dead(path: str, pid: int) -> bool:
     """True if the segment's creator is gone: its pid is dead and nobody holds its lock."""
     if pid == os.getpid() or pid_alive(pid):
         return False
-    try:
-        fd = os.open(path, os.O_RDONLY)
+    try:  # O_NONBLOCK: a ring's doorbell is a FIFO, which would block a plain open
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     except OSError:
         return False
     try:
