@@ -55,6 +55,7 @@ class EndpointConfig:
     host_id: str | None
     progressive_chunk: int
     max_peers: int
+    control_ring: bool
 
     @classmethod
     def build(

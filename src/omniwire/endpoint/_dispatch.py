@@ -18,7 +18,8 @@ from ..errors import (
     UnsupportedVersionError,
     WireFormatError,
 )
-from ._core import Core
+from ..ring import RingError, RingReader
+from ._core import Core, State
 from ._peers import PeerTable
 from ._receiver import Receiver
 from ._records import Peer
@@ -48,6 +49,20 @@ class Dispatcher:
                 for peer in self.on_frame(frame, abort_channel=False):
                     await receiver.take_head(peer)
 
+    async def ring_loop(self, peer: Peer, reader: RingReader, generation: int) -> None:
+        """Frames from one peer's ring (every frame it sends after its switch to it)."""
+        receiver = self.receiver
+        while True:
+            try:
+                frames = await reader.recv()
+            except RingError as exc:  # closed by us (loss, close) or by the peer
+                if peer.generation == generation and self.core.state is State.OPEN:
+                    self.peers.lose(peer, f"its control ring ended ({exc})")
+                return
+            for frame in frames:
+                for p in self.on_frame(frame, abort_channel=False, source=peer.name):
+                    await receiver.take_head(p)
+
     async def abort_loop(self) -> None:
         """Frames from the PUB sockets of the peers we subscribed to."""
         while True:
@@ -57,8 +72,11 @@ class Dispatcher:
                 return
             self.on_frame(frame, abort_channel=True)
 
-    def on_frame(self, frame: bytes, *, abort_channel: bool) -> list[Peer]:
-        """Apply one frame; returns the peers whose inbox the caller may take from now."""
+    def on_frame(
+        self, frame: bytes, *, abort_channel: bool, source: str | None = None
+    ) -> list[Peer]:
+        """Apply one frame; returns the peers whose inbox the caller may take from now.
+        ``source`` is the peer a ring frame came from: every message must be its own."""
         core = self.core
         core.counters["frames_received"] += 1
         try:
@@ -79,6 +97,10 @@ class Dispatcher:
             try:
                 if abort_channel and not isinstance(m, wire.AbortMessage):
                     raise RemoteProtocolError(f"{type(m).__name__} on the abort channel")
+                if source is not None and _sender_of(m) != source:
+                    raise RemoteProtocolError(
+                        f"{type(m).__name__} from {_sender_of(m)!r} in the ring of {source!r}"
+                    )
                 peer = self._apply(m)
             except ProtocolError as exc:
                 core.counters["protocol_errors"] += 1
@@ -167,3 +189,11 @@ class Dispatcher:
             core.outbox.post(peer, msg)
             if via is not None:
                 core.counters["aborts_forwarded"] += 1
+
+
+def _sender_of(msg: wire.Message) -> str:
+    if isinstance(msg, wire.HelloMessage):
+        return msg.endpoint
+    if isinstance(msg, wire.BatchMessage):
+        return ""  # checked message by message
+    return msg.from_stage

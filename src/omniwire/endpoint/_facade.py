@@ -32,6 +32,7 @@ from ..errors import (
 )
 from ..observe import Observer, as_observer
 from ..observe._observer import observed
+from ..ring import RingReader
 from ..routing import Route, RoutingPolicy
 from ._config import EndpointConfig
 from ._core import Core, State
@@ -94,6 +95,9 @@ class Endpoint(Receiving):
             copy-mode receiver copies while the sender packs (0 disables; objects to
             zero-copy receivers are never split).
         max_peers: the most peers served at once; more are refused (``peer_limit``).
+        control_ring: peers on this host exchange control frames through a
+            shared-memory ring per direction (spec §3.6) instead of the socket, when
+            both ends allow it; ZeroMQ stays for the handshake and for other hosts.
         observer: an :class:`~omniwire.observe.Observer` (or a list of them) told
             of sends, credit waits and deliveries: metrics and tracing
             (:mod:`omniwire.observe`). Default None: no observer call is made.
@@ -128,6 +132,7 @@ class Endpoint(Receiving):
         host_id: str | None = None,
         progressive_chunk: int = 16 << 20,
         max_peers: int = 256,
+        control_ring: bool = True,
         observer: Observer | Sequence[Observer] | None = None,
     ) -> None:
         cfg = EndpointConfig.build(
@@ -153,6 +158,7 @@ class Endpoint(Receiving):
             host_id=host_id,
             progressive_chunk=progressive_chunk,
             max_peers=max_peers,
+            control_ring=control_ring,
         )
         key = auth_key if auth_key is not None else os.environ.get("OMNIWIRE_AUTH_KEY") or None
         counters: Counters = Counters()
@@ -174,7 +180,7 @@ class Endpoint(Receiving):
             counters=counters,
             observer=as_observer(observer),
         )
-        self._peers = PeerTable(core, self._on_ready, self._on_gone)
+        self._peers = PeerTable(core, self._on_ready, self._on_gone, self._on_ring)
         trace = os.environ.get("OMNIWIRE_TRACE", "") not in ("", "0")
         self._sender = Sender(core, self._peers, trace)
         self._receiver = Receiver(core, self._peers)
@@ -455,6 +461,14 @@ class Endpoint(Receiving):
     def running_backends(self) -> list[str]:
         return list(self._core.backends)
 
+    def control_channel(self, peer: str) -> str:
+        """How frames to ``peer`` travel now: ``"ring"`` (the same-host shared-memory
+        ring, spec §3.6) or ``"zmq"`` (its socket); ``""`` for no such peer."""
+        record = self._peers.get(peer)
+        if record is None:
+            return ""
+        return "ring" if record.ring_writer is not None else "zmq"
+
     def in_flight(self) -> dict[str, tuple[int, int]]:
         """Per peer: (objects sent and not acknowledged, objects received and not acknowledged)."""
         out, inn = self._sender.in_flight(), self._receiver.in_flight()
@@ -470,6 +484,9 @@ class Endpoint(Receiving):
     ) -> None:
         self._sender.on_peer_gone(peer, out, error)
         self._receiver.on_peer_gone(peer, inn, cause, error)
+
+    def _on_ring(self, peer: Peer, reader: RingReader) -> None:
+        self._core.supervisor.spawn(self._dispatch.ring_loop, peer, reader, peer.generation)
 
 
 def _names(target: str | Sequence[str]) -> tuple[str, ...]:

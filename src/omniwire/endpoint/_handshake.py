@@ -29,9 +29,16 @@ from ._records import Peer, PeerStatus
 __all__ = ["check_hello", "hello_of", "locality_of", "peer_infos", "refusal_error", "refuse"]
 
 
-def hello_of(core: Core, peer: Peer | None, *, reply: bool) -> wire.HelloMessage:
-    """This endpoint's Hello, addressed to ``peer`` by the name we know it by."""
-    features = (("pickle", core.config.allow_pickle), ("zero_copy", core.config.zero_copy))
+def hello_of(
+    core: Core, peer: Peer | None, *, reply: bool, ring_attached: str = ""
+) -> wire.HelloMessage:
+    """This endpoint's Hello, addressed to ``peer`` by the name we know it by, offering
+    the ring we created for its frames (if any)."""
+    features = (
+        ("pickle", core.config.allow_pickle),
+        ("zero_copy", core.config.zero_copy),
+        ("ring", core.config.control_ring),
+    )
     return wire.HelloMessage(
         endpoint=core.name,
         wire_min=(wire.WIRE_VERSION[0], 0),
@@ -48,6 +55,8 @@ def hello_of(core: Core, peer: Peer | None, *, reply: bool) -> wire.HelloMessage
         backends=tuple(wire.BackendInfo(name=n, info=b.hello()) for n, b in core.backends.items()),
         is_reply=reply,
         to_endpoint=peer.name if peer is not None else "",
+        ring=peer.ring_reader.name if peer is not None and peer.ring_reader is not None else "",
+        ring_attached=ring_attached,
     )
 
 

@@ -26,6 +26,7 @@ import anyio
 from .. import wire
 from ..control import ControlPlane
 from ..errors import OmniwireError, PeerUnresponsiveError
+from ..ring import RingError, RingWriter
 
 if TYPE_CHECKING:
     from ._records import Peer
@@ -47,16 +48,26 @@ _BATCHABLE = (
 )
 
 
+class _ToRing:
+    """In a queue's messages: everything after this goes through ``writer``."""
+
+    __slots__ = ("writer",)
+
+    def __init__(self, writer: RingWriter) -> None:
+        self.writer = writer
+
+
 class _Queue:
-    """What waits to leave for one peer: messages of this iteration, then frames
-    ZeroMQ could not take yet."""
+    """What waits to leave for one peer: messages of this iteration, then frames its
+    channel could not take yet (each with the channel it must take: ZeroMQ, or the
+    peer's ring)."""
 
     __slots__ = ("backlog", "draining", "error", "messages", "peer", "room", "since")
 
     def __init__(self, peer: Peer) -> None:
         self.peer = peer
-        self.messages: list[wire.Message] = []
-        self.backlog: deque[bytes] = deque()
+        self.messages: list[wire.Message | _ToRing] = []
+        self.backlog: deque[tuple[bytes, RingWriter | None]] = deque()
         self.draining = False
         self.since = 0.0  # when the backlog's head started to wait
         self.room: anyio.Event | None = None  # set when ``send`` may go on
@@ -83,6 +94,9 @@ class Outbox:
 
     def post(self, peer: Peer, msg: wire.Message) -> None:
         """Queue ``msg`` to ``peer``; it leaves after everything posted before it."""
+        self._enqueue(peer, msg)
+
+    def _enqueue(self, peer: Peer, msg: wire.Message | _ToRing) -> None:
         if self._closed:
             return
         queue = self._queues.get(peer.name)
@@ -120,6 +134,11 @@ class Outbox:
                 await queue.room.wait()
         if queue.error is not None:
             raise queue.error
+
+    def switch_to_ring(self, peer: Peer, writer: RingWriter) -> None:
+        """Frames posted to ``peer`` from now on go through its ring, after every frame
+        posted before (those still go by ZeroMQ: the last of them is the peer's cue)."""
+        self._enqueue(peer, _ToRing(writer))
 
     def close(self) -> None:
         """The endpoint closes: what was not sent by now is dropped; nothing new is queued."""
@@ -167,17 +186,37 @@ class Outbox:
             if self._queues.get(queue.peer.name) is not queue or not queue.messages:
                 continue
             messages, queue.messages = queue.messages, []
-            for frame in _frames(queue.peer, messages):
-                self._send(queue, frame)
+            try:
+                self._send_all(queue, messages)
+            except OmniwireError as exc:  # its ring broke: the peer table finds it lost
+                self.drop(queue.peer.name, exc)
+                continue
             if not queue.backlog:
                 self._done(queue)
 
+    def _send_all(self, queue: _Queue, messages: list[wire.Message | _ToRing]) -> None:
+        run: list[wire.Message] = []
+        for item in messages:
+            if isinstance(item, _ToRing):
+                for frame in _frames(queue.peer, run):
+                    self._send(queue, frame)
+                run = []
+                queue.peer.ring_writer = item.writer
+            else:
+                run.append(item)
+        for frame in _frames(queue.peer, run):
+            self._send(queue, frame)
+
     def _send(self, queue: _Queue, frame: bytes) -> None:
-        if not queue.backlog and self._control.send_nowait(queue.peer.name, frame):
-            return
+        ring = queue.peer.ring_writer
         if not queue.backlog:
+            if ring is None:
+                if self._control.send_nowait(queue.peer.name, frame):
+                    return
+            elif _ring_send(ring, frame):
+                return
             queue.since = time.monotonic()
-        queue.backlog.append(frame)
+        queue.backlog.append((frame, ring))
         if not queue.draining:
             queue.draining = True
             self._supervisor.spawn(self._drain, queue)
@@ -186,9 +225,14 @@ class Outbox:
         name = queue.peer.name
         try:
             while queue.backlog and self._queues.get(name) is queue:
+                frame, ring = queue.backlog[0]
                 try:
-                    await self._control.send(name, queue.backlog[0])
-                except (KeyError, OmniwireError):  # socket gone: the peer is being dropped
+                    if ring is None:
+                        await self._control.send(name, frame)
+                    else:
+                        while not _ring_send(ring, frame):
+                            await ring.wait_writable()
+                except (KeyError, OmniwireError):  # channel gone: the peer is being dropped
                     return
                 queue.backlog.popleft()
                 queue.since = time.monotonic()
@@ -207,6 +251,13 @@ class Outbox:
             del self._queues[queue.peer.name]
         if not self._queues:
             self._emptied.set()
+
+
+def _ring_send(ring: RingWriter, frame: bytes) -> bool:
+    """``ring.send_nowait``; a closed or broken ring raises (the peer is gone)."""
+    if ring.closed:
+        raise RingError("the ring to this peer is closed")
+    return ring.send_nowait(frame)
 
 
 def _frames(peer: Peer, messages: list[wire.Message]) -> list[bytes]:

@@ -23,6 +23,7 @@ from ..backends.base import Export, Import, Layout, PeerInfo
 from ..delivery import SendReceipt
 from ..errors import PeerRefusedError
 from ..flow import Credits
+from ..ring import RingReader, RingWriter
 from ..routing import Candidate, Edge, PayloadInfo, Route
 from ._stats import RouteStats
 
@@ -188,6 +189,11 @@ class Peer:
     edge: Edge | None = None
     candidates: tuple[Candidate, ...] = ()
     route_cache: dict[PayloadInfo, Route] = field(default_factory=dict)
+    # the same-host control ring, each direction (spec §3.6)
+    ring_reader: RingReader | None = None  # created by us for its frames
+    ring_writer: RingWriter | None = None  # its reader, attached: our frames go there
+    ring_attached: str = ""  # the name of the peer's ring we attached to
+    ring_reading: bool = False  # our ring's reader loop runs
     # sending
     chunk_ids: dict[str, int] = field(default_factory=dict)
     send_lock: anyio.Lock = field(default_factory=anyio.Lock)
@@ -202,6 +208,13 @@ class Peer:
     @property
     def hello(self) -> wire.HelloMessage | None:
         return self.session.hello
+
+    def close_rings(self) -> None:
+        for ring in (self.ring_reader, self.ring_writer):
+            if ring is not None:
+                ring.close()
+        self.ring_reader = self.ring_writer = None
+        self.ring_attached = ""
 
     def notify(self) -> None:
         """Wake every task waiting on this peer's state."""

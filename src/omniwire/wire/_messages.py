@@ -279,6 +279,12 @@ class HelloMessage(_Base, frozen=True, kw_only=True, tag="hello", tag_field="typ
     #: 1.1: the stage name the sender addresses (from its configuration); empty if
     #: unknown. A receiver with another name refuses with ``name_mismatch``.
     to_endpoint: str = ""
+    #: 1.1 (same host, feature ``"ring"``): the name of a shared-memory ring the sender
+    #: created to receive this peer's frames (spec §3.6); empty if none.
+    ring: str = ""
+    #: 1.1: the peer's ring this sender has just attached to. This Hello is the last
+    #: frame of the sender on ZeroMQ; its later frames come through that ring.
+    ring_attached: str = ""
 
     def __post_init__(self) -> None:
         _name("HelloMessage.endpoint", self.endpoint)
@@ -302,6 +308,8 @@ class HelloMessage(_Base, frozen=True, kw_only=True, tag="hello", tag_field="typ
         if len(self.backends) > 256:
             raise ValueError("HelloMessage.backends has more than 256 entries")
         _text("HelloMessage.to_endpoint", self.to_endpoint, MAX_NAME_BYTES, empty_ok=True)
+        _text("HelloMessage.ring", self.ring, MAX_NAME_BYTES, empty_ok=True)
+        _text("HelloMessage.ring_attached", self.ring_attached, MAX_NAME_BYTES, empty_ok=True)
 
 
 class DataReadyMessage(_Base, frozen=True, kw_only=True, tag="data_ready", tag_field="type"):
