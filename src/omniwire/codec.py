@@ -267,9 +267,62 @@ def dumps(value: Any, *, allow_pickle: bool = False) -> Encoded:
         TypeError: a value, dict key or int out of range, naming its path.
         ValueError: nesting deeper than ``MAX_HEADER_DEPTH`` or too many tensors.
     """
+    if type(value) is dict and 0 < len(value) <= _FLAT_MAX:
+        flat = _dumps_flat(value)
+        if flat is not None:
+            return flat
     dumper = _Dumper(allow_pickle)
     tree = dumper.walk(value, (), 0)
     return Encoded(_encoder.encode(tree), dumper.tensors, dumper.paths)
+
+
+# The shape most payloads have — a flat dict of distinct tensors under str keys — has
+# the same header every time for the same keys: it is encoded once, and recognised
+# on the way in without the general decoder. Anything else takes the general path.
+_FLAT_MAX = 16
+_flat_headers: dict[tuple[str, ...], tuple[bytes, list[str]]] = {}
+_flat_keys: dict[bytes, tuple[str, ...]] = {}
+
+
+def _dumps_flat(value: dict[Any, Any]) -> Encoded | None:
+    keys = tuple(value)
+    tensors = list(value.values())
+    for k, t in zip(keys, tensors, strict=True):
+        if type(k) is not str or type(t) is not torch.Tensor:
+            return None
+        if t.layout is not torch.strided or t.is_quantized or t.device.type == "meta":
+            return None  # the general path says why
+    if len({id(t) for t in tensors}) != len(tensors):
+        return None  # a tensor twice: one table entry (the general path)
+    header, paths = _flat_header(keys)
+    return Encoded(header, tensors, list(paths))
+
+
+def _flat_header(keys: tuple[str, ...]) -> tuple[bytes, list[str]]:
+    """The header of a flat dict of distinct tensors under ``keys``, and their paths."""
+    cached = _flat_headers.get(keys)
+    if cached is None:
+        tree = {k: msgspec.msgpack.Ext(EXT_TENSOR, _encoder.encode(i)) for i, k in enumerate(keys)}
+        header = _encoder.encode(tree)
+        cached = (header, [_format_path(((), k)) for k in keys])
+        if len(_flat_headers) >= 256:
+            _flat_headers.clear()
+            _flat_keys.clear()
+        _flat_headers[keys] = cached
+        _flat_keys[header] = keys
+    return cached
+
+
+def _learn_flat(header: bytes | memoryview, value: Any, tensors: Sequence[torch.Tensor]) -> None:
+    """After a general decode: remember ``header`` if it is exactly the canonical header
+    of a flat dict of the table's tensors, so the next one decodes without the parser."""
+    if (
+        type(value) is dict
+        and 0 < len(value) == len(tensors) <= _FLAT_MAX
+        and all(type(k) is str for k in value)
+        and all(v is t for v, t in zip(value.values(), tensors, strict=True))
+    ):
+        _flat_header(tuple(value))  # cached, and recognised if the bytes are the same
 
 
 class _Loader:
@@ -365,6 +418,9 @@ def loads(
             unregistered type, nesting deeper than ``MAX_HEADER_DEPTH``, or a
             pickled object while ``allow_pickle`` is False (never unpickled).
     """
+    keys = _flat_keys.get(bytes(header))
+    if keys is not None and len(keys) == len(tensors):
+        return dict(zip(keys, tensors, strict=True))  # a header dumps() wrote: a flat dict
     previous = getattr(_current, "loader", None)
     _current.loader = _Loader(tensors, allow_pickle)
     try:
@@ -379,4 +435,5 @@ def loads(
         _current.loader = previous  # holds no tensor once the call returns
     if _depth(value) > MAX_HEADER_DEPTH:
         raise WireFormatError(f"payload header nests deeper than {MAX_HEADER_DEPTH} levels")
+    _learn_flat(header, value, tensors)
     return value

@@ -179,7 +179,8 @@ class SendReceipt:
         self.started = time.monotonic()
         self.finished: float | None = None
         self.error: BaseException | None = None
-        self._event = anyio.Event()
+        self._done = False
+        self._event: anyio.Event | None = None  # made by the first wait on a pending receipt
         self.observed = False
         self._callbacks: list[Callable[[SendReceipt], None]] | None = None
 
@@ -202,7 +203,7 @@ class SendReceipt:
     def add_done_callback(self, fn: Callable[[SendReceipt], None]) -> None:
         """Call ``fn(receipt)`` once it is done (at once if it is already), on the
         endpoint's event loop. For observers; ``fn`` must not raise or block."""
-        if self._event.is_set():
+        if self._done:
             fn(self)
         elif self._callbacks is None:
             self._callbacks = [fn]
@@ -217,7 +218,7 @@ class SendReceipt:
         return receipt
 
     def done(self) -> bool:
-        return self._event.is_set()
+        return self._done
 
     @property
     def latency(self) -> float | None:
@@ -225,11 +226,13 @@ class SendReceipt:
         return None if self.finished is None else self.finished - self.started
 
     def resolve(self, error: BaseException | None = None) -> None:
-        if self._event.is_set():
+        if self._done:
             return
+        self._done = True
         self.error = error
         self.finished = time.monotonic()
-        self._event.set()
+        if self._event is not None:
+            self._event.set()
         callbacks, self._callbacks = self._callbacks, None
         if callbacks is not None:
             for fn in callbacks:
@@ -238,8 +241,11 @@ class SendReceipt:
     async def wait(self, timeout: float | None = None) -> None:
         """Wait for the ACK. Raises the failure, or TimeoutError after ``timeout``."""
         self.observed = True
-        with anyio.fail_after(timeout):
-            await self._event.wait()
+        if not self._done:
+            if self._event is None:
+                self._event = anyio.Event()
+            with anyio.fail_after(timeout):
+                await self._event.wait()
         if self.error is not None:
             raise self.error
 

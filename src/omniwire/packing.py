@@ -16,8 +16,9 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Final
+from typing import Any, Final
 
+import numpy as np
 import torch
 
 from .errors import WireFormatError
@@ -27,6 +28,7 @@ __all__ = [
     "PackPlan",
     "as_byte_tensor",
     "dtype_name",
+    "pack_bytes",
     "pack_into",
     "plan",
     "split_points",
@@ -39,6 +41,26 @@ _TORCH_DTYPES: Final[dict[str, torch.dtype]] = {
     name: getattr(torch, name) for name in DTYPE_ITEMSIZE if hasattr(torch, name)
 }
 _WIRE_NAMES: Final[dict[torch.dtype, str]] = {d: n for n, d in _TORCH_DTYPES.items()}
+#: wire name → numpy dtype (native byte order), for the dtypes numpy has.
+_NUMPY: Final[dict[str, np.dtype[Any]]] = {
+    name: np.dtype(name)
+    for name in (
+        "float64",
+        "float32",
+        "float16",
+        "int8",
+        "int16",
+        "int32",
+        "int64",
+        "uint8",
+        "uint16",
+        "uint32",
+        "uint64",
+        "bool",
+        "complex64",
+        "complex128",
+    )
+}
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -75,14 +97,27 @@ class PackPlan:
     nbytes: int
 
 
+#: Plans of recent payload shapes: a pipeline sends the same shapes over and over.
+_PLANS: dict[tuple[object, ...], PackPlan] = {}
+_PLANS_MAX = 512
+
+
 def plan(tensors: Sequence[torch.Tensor], paths: Sequence[str] = ()) -> PackPlan:
     """Lay ``tensors`` out back to back at 64-byte aligned offsets.
 
-    The length is the end of the last tensor (no trailing padding).
+    The length is the end of the last tensor (no trailing padding). Plans of the
+    shapes seen lately are reused (a plan is immutable).
 
     Raises:
         TypeError: a tensor's dtype has no wire name.
     """
+    key = (
+        *((t.dtype, t.shape, t.device) for t in tensors),
+        *paths,
+    )
+    layout = _PLANS.get(key)
+    if layout is not None:
+        return layout
     metas = []
     offset = 0
     end = 0
@@ -100,7 +135,31 @@ def plan(tensors: Sequence[torch.Tensor], paths: Sequence[str] = ()) -> PackPlan
             )
         )
         end = offset + nbytes
-    return PackPlan(tuple(metas), end)
+    layout = PackPlan(tuple(metas), end)
+    if len(_PLANS) >= _PLANS_MAX:
+        _PLANS.clear()
+    _PLANS[key] = layout
+    return layout
+
+
+def pack_bytes(tensors: Sequence[torch.Tensor], layout: PackPlan) -> bytes:
+    """The packed image of ``tensors`` as ``bytes`` (for small payloads carried inline;
+    padding is zero)."""
+    parts: list[bytes] = []
+    at = 0
+    for t, meta in zip(tensors, layout.metas, strict=True):
+        if meta.offset > at:
+            parts.append(bytes(meta.offset - at))
+        if meta.nbytes:
+            src = t.detach()
+            if src.device.type != "cpu" or not src.is_contiguous():
+                src = src.to("cpu").contiguous()
+            if meta.dtype in _NUMPY and src.dim() and src.stride(-1) == 1:
+                parts.append(src.numpy().tobytes())  # C order: the packed layout
+            else:
+                parts.append(_flat_bytes(src).numpy().tobytes())
+        at = meta.offset + meta.nbytes
+    return b"".join(parts)
 
 
 def as_byte_tensor(buffer: torch.Tensor | memoryview | bytearray) -> torch.Tensor:
@@ -250,6 +309,8 @@ def unpack(
             start at. The message names the tensor (its path, else its index).
         TypeError: ``buffer`` cannot be viewed as bytes (see :func:`as_byte_tensor`).
     """
+    if isinstance(buffer, bytearray) and not copy:
+        return _unpack_bytes(buffer, metas)
     base = as_byte_tensor(buffer)
     size = base.numel()
     out = []
@@ -263,4 +324,27 @@ def unpack(
             name = repr(meta.path) if meta.path else f"#{i}"
             why = str(exc).partition("\n")[0]  # torch appends a C++ trace to some errors
             raise WireFormatError(f"tensor {name} ({meta.dtype}) {why}") from exc
+    return out
+
+
+def _unpack_bytes(buffer: bytearray, metas: Sequence[TensorMeta]) -> list[torch.Tensor]:
+    """:func:`unpack` of a small buffer (inline data): through numpy where it knows the
+    dtype (several times cheaper than torch's views), torch's views otherwise."""
+    size = len(buffer)
+    out = []
+    for i, meta in enumerate(metas):
+        np_dtype = _NUMPY.get(meta.dtype)
+        if np_dtype is None or not meta.nbytes:  # empty ones may have huge dims numpy refuses
+            out += unpack(as_byte_tensor(buffer), [meta], copy=False)
+            continue
+        try:
+            _check_meta(meta, size)
+            if meta.offset % np_dtype.itemsize:
+                raise WireFormatError(f"offset {meta.offset} is not aligned to its dtype")
+            count = meta.nbytes // np_dtype.itemsize
+            array = np.frombuffer(buffer, dtype=np_dtype, count=count, offset=meta.offset)
+            out.append(torch.from_numpy(array.reshape(meta.shape)))
+        except (WireFormatError, ValueError, TypeError, OverflowError) as exc:
+            name = repr(meta.path) if meta.path else f"#{i}"
+            raise WireFormatError(f"tensor {name} ({meta.dtype}) {exc}") from exc
     return out

@@ -66,6 +66,16 @@ TERMINAL = frozenset({"stream_end", "error", "aborted"})
 _TOMBSTONES = 1024  # "unclaimed" error deliveries kept at most (the oldest go first)
 
 
+class _NoEvent:
+    """Stands for the event of a consumer that is not asleep (setting it does nothing)."""
+
+    def set(self) -> None:
+        pass
+
+
+_NO_EVENT: Any = _NoEvent()
+
+
 class _Consumer:
     """One waiting consumer: what it wants, and the event that wakes it."""
 
@@ -74,7 +84,7 @@ class _Consumer:
     def __init__(self, request_id: str | None, from_stage: str | None) -> None:
         self.request_id = request_id
         self.from_stage = from_stage
-        self.event = anyio.Event()
+        self.event = _NO_EVENT  # a real one is made when it sleeps
 
     def stage_ok(self, d: Delivery) -> bool:
         return self.from_stage is None or d.from_stage == self.from_stage or d.kind == "aborted"
@@ -182,8 +192,11 @@ class Deliveries:
         waiting = self._unscoped if rid is None else self._scoped.setdefault(rid, [])
         waiting.append(consumer)
         try:
-            with anyio.move_on_after(timeout):
+            if timeout is None:  # no cancel scope: it costs a few µs per receive
                 await consumer.event.wait()
+            else:
+                with anyio.move_on_after(timeout):
+                    await consumer.event.wait()
         finally:
             waiting.remove(consumer)
             if rid is not None and not waiting:

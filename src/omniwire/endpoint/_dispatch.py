@@ -47,21 +47,26 @@ class Dispatcher:
                 return
             for frame in frames:
                 for peer in self.on_frame(frame, abort_channel=False):
-                    await receiver.take_head(peer)
+                    if receiver.pump(peer):
+                        await receiver.take_head(peer)
 
-    async def ring_loop(self, peer: Peer, reader: RingReader, generation: int) -> None:
-        """Frames from one peer's ring (every frame it sends after its switch to it)."""
+    def start_ring(self, peer: Peer, reader: RingReader, generation: int) -> None:
+        """Read ``peer``'s frames from its ring from now on (spec §3.6): each wake-up of
+        the ring hands over every frame that arrived, which are applied right there."""
         receiver = self.receiver
-        while True:
-            try:
-                frames = await reader.recv()
-            except RingError as exc:  # closed by us (loss, close) or by the peer
-                if peer.generation == generation and self.core.state is State.OPEN:
-                    self.peers.lose(peer, f"its control ring ended ({exc})")
-                return
+
+        def on_frames(frames: list[bytes]) -> None:
             for frame in frames:
                 for p in self.on_frame(frame, abort_channel=False, source=peer.name):
-                    await receiver.take_head(p)
+                    if receiver.pump(p):
+                        receiver.start_worker(p)  # an object: its worker takes it
+
+        def on_closed(error: RingError | None) -> None:
+            if peer.generation == generation and self.core.state is State.OPEN:
+                why = error or "its writer closed without a Goodbye"
+                self.peers.lose(peer, f"its control ring ended ({why})")
+
+        reader.start(on_frames, on_closed)
 
     async def abort_loop(self) -> None:
         """Frames from the PUB sockets of the peers we subscribed to."""

@@ -486,7 +486,7 @@ class Endpoint(Receiving):
         self._receiver.on_peer_gone(peer, inn, cause, error)
 
     def _on_ring(self, peer: Peer, reader: RingReader) -> None:
-        self._core.supervisor.spawn(self._dispatch.ring_loop, peer, reader, peer.generation)
+        self._dispatch.start_ring(peer, reader, peer.generation)
 
 
 def _names(target: str | Sequence[str]) -> tuple[str, ...]:

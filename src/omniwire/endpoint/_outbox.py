@@ -93,7 +93,20 @@ class Outbox:
     # -- the API ---------------------------------------------------------------------
 
     def post(self, peer: Peer, msg: wire.Message) -> None:
-        """Queue ``msg`` to ``peer``; it leaves after everything posted before it."""
+        """Queue ``msg`` to ``peer``; it leaves after everything posted before it.
+
+        To a peer on a ring with nothing queued, the frame is written at once: a ring
+        write is a memory copy, and the reader takes whatever is there per wake-up, so
+        deferring it to batch would only add a trip around the loop.
+        """
+        ring = peer.ring_writer
+        if ring is not None and peer.name not in self._queues and not self._closed:
+            try:
+                if _ring_send(ring, _frame(msg, peer.session.version)):
+                    return
+            except OmniwireError as exc:  # the ring broke: the peer table finds it lost
+                self.drop(peer.name, exc)
+                return
         self._enqueue(peer, msg)
 
     def _enqueue(self, peer: Peer, msg: wire.Message | _ToRing) -> None:
@@ -111,6 +124,11 @@ class Outbox:
             self._loop = loop
             loop.call_soon(self._flush)
 
+    def has_room(self, peer: Peer) -> bool:
+        """Whether :meth:`send` to ``peer`` would return without waiting now."""
+        queue = self._queues.get(peer.name)
+        return queue is None or len(queue) < _SEND_LIMIT
+
     async def send(self, peer: Peer, msg: wire.Message, timeout: float) -> None:
         """Post ``msg``; wait only while too much is queued to ``peer`` (it takes no frames).
 
@@ -118,9 +136,9 @@ class Outbox:
             PeerUnresponsiveError: the peer took no frame for ``timeout`` seconds.
         """
         self.post(peer, msg)
-        queue = self._queues[peer.name]
-        if len(queue) <= _SEND_LIMIT:
-            return
+        queue = self._queues.get(peer.name)
+        if queue is None or len(queue) <= _SEND_LIMIT:
+            return  # gone straight out (a ring), or room to spare
         deadline = time.monotonic() + timeout
         while len(queue) > _SEND_LIMIT and self._queues.get(peer.name) is queue:
             left = deadline - time.monotonic()

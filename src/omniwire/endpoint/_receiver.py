@@ -81,7 +81,7 @@ class Receiver:
             self.refuse(peer, record, "queue_full", "receiver queue full")
             return False
         peer.inbox.append(record if record is not None else msg)
-        return self._startable(peer)
+        return True
 
     def on_progress(self, peer: Peer, msg: wire.DataProgressMessage) -> None:
         record = peer.session.on_progress(msg)
@@ -89,21 +89,43 @@ class Receiver:
 
     def on_ready(self, peer: Peer) -> None:
         """The peer became READY: what it sent before can be taken now."""
-        if peer.inbox:
-            self._start_worker(peer)
+        if self.pump(peer):
+            self.start_worker(peer)
 
-    def _startable(self, peer: Peer) -> bool:
-        """Whether the receive loop may take the head of ``peer``'s inbox itself."""
-        if peer.busy or peer.worker or len(peer.inbox) != 1 or peer.status is not PeerStatus.READY:
-            if peer.status is PeerStatus.READY and not peer.busy:
-                self._start_worker(peer)
+    def pump(self, peer: Peer) -> bool:
+        """Take, now, the data-less and inline messages at the head of ``peer``'s inbox
+        (nothing of them waits). Returns True if the object then at the head can be taken
+        without waiting too — the caller may ``await take_head(peer)`` — else a worker
+        task takes the rest."""
+        if peer.busy or peer.worker or peer.status is not PeerStatus.READY:
             return False
-        head = peer.inbox[0]
+        inbox = peer.inbox
+        while inbox and isinstance(head := inbox[0], wire.DataReadyMessage):
+            inbox.popleft()
+            msg = head
+            peer.busy = True
+            try:
+                self.take_message(peer, msg)
+            except Exception:  # a bug must not stop the peer's inbox
+                self.core.counters["internal_errors"] += 1
+                log.exception("%s: failed to take a message from %s", self.core.name, peer.name)
+            finally:
+                peer.busy = False
+        if not inbox:
+            return False
+        if len(inbox) == 1 and self._fits_now(inbox[0]):
+            return True
+        self.start_worker(peer)
+        return False
+
+    def _fits_now(self, head: InRecord | wire.DataReadyMessage) -> bool:
+        """Whether taking ``head`` cannot wait on I/O: a small, fully announced object
+        in mapped memory (or an in-process object), with room in the receive budget."""
         if isinstance(head, wire.DataReadyMessage):
-            return True  # inline chunk, stream end, error: nothing to wait for
+            return True
         backend = self.core.backends.get(head.ref.backend)
         caps = type(backend).capabilities if backend is not None else None
-        fits = (
+        return (
             caps is not None
             and (isinstance(backend, ObjectBackend) or caps.mapped)
             and head.ready == head.length
@@ -111,12 +133,9 @@ class Receiver:
             and head.length < THREAD_COPY_THRESHOLD
             and self.budget.would_admit(0 if self.core.config.zero_copy else head.length)
         )
-        if not fits:
-            self._start_worker(peer)
-        return fits
 
-    def _start_worker(self, peer: Peer) -> None:
-        if not peer.worker and not peer.busy:
+    def start_worker(self, peer: Peer) -> None:
+        if not peer.worker and not peer.busy and peer.inbox:
             peer.worker = True
             self.core.supervisor.spawn(self._drain, peer, peer.generation)
 
@@ -149,31 +168,37 @@ class Receiver:
     # -- the take path -----------------------------------------------------------------
 
     async def take(self, peer: Peer, item: InRecord | wire.DataReadyMessage) -> None:
-        msg = item if isinstance(item, wire.DataReadyMessage) else item.msg
-        rid = msg.request_id
-        if isinstance(item, InRecord) and item.refusal is not None:
+        """Take one inbox item: a message at once, an object through its backend."""
+        if isinstance(item, wire.DataReadyMessage):
+            self.take_message(peer, item)
+            return
+        msg = item.msg
+        if item.refusal is not None:
             await self._consume(peer, item)
             self.finish(peer, item, *item.refusal)
             return
-        if self.core.aborts.is_aborted(rid):
-            if isinstance(item, InRecord):
-                self.finish(peer, item, "aborted", "request aborted")
+        if self.core.aborts.is_aborted(msg.request_id):
+            self.finish(peer, item, "aborted", "request aborted")
             return
-        metadata = None
-        if msg.metadata:
-            try:
-                metadata = codec.loads(msg.metadata, [])
-            except WireFormatError as exc:
-                if isinstance(item, InRecord):
-                    self.finish(peer, item, "malformed", f"bad metadata: {exc}")
-                self._deliver(Delivery("error", rid, peer.name, msg.chunk_id, error=str(exc)))
-                return
+        ok, metadata = self._metadata(peer, msg, item)
+        if not ok:
+            return
+        await self._take_object(peer, item, metadata)
+        self._ended(peer, msg, metadata)
+
+    def take_message(self, peer: Peer, msg: wire.DataReadyMessage) -> None:
+        """Take a data-less or inline DataReady (nothing of it waits)."""
+        if self.core.aborts.is_aborted(msg.request_id):
+            return
+        ok, metadata = self._metadata(peer, msg, None)
+        if not ok:
+            return
         if msg.error is not None:
-            peer.open_streams.pop(rid, None)
+            peer.open_streams.pop(msg.request_id, None)
             self._deliver(
                 Delivery(
                     "error",
-                    rid,
+                    msg.request_id,
                     peer.name,
                     msg.chunk_id,
                     metadata=metadata,
@@ -183,14 +208,32 @@ class Receiver:
             )
         elif msg.inline is not None:
             self._take_inline(peer, msg, msg.inline, metadata)
-        elif isinstance(item, InRecord):
-            await self._take_object(peer, item, metadata)
+        self._ended(peer, msg, metadata)
+
+    def _metadata(
+        self, peer: Peer, msg: wire.DataReadyMessage, record: InRecord | None
+    ) -> tuple[bool, Any]:
+        """The message's metadata; on a bad one the object is NACKed, an error
+        delivered, and ``(False, None)`` returned."""
+        if not msg.metadata:
+            return True, None
+        try:
+            return True, codec.loads(msg.metadata, [])
+        except WireFormatError as exc:
+            if record is not None:
+                self.finish(peer, record, "malformed", f"bad metadata: {exc}")
+            self._deliver(
+                Delivery("error", msg.request_id, peer.name, msg.chunk_id, error=str(exc))
+            )
+            return False, None
+
+    def _ended(self, peer: Peer, msg: wire.DataReadyMessage, metadata: Any) -> None:
         if msg.is_done:
-            peer.open_streams.pop(rid, None)
+            peer.open_streams.pop(msg.request_id, None)
             self._deliver(
                 Delivery(
                     "stream_end",
-                    rid,
+                    msg.request_id,
                     peer.name,
                     msg.chunk_id,
                     metadata=metadata,
@@ -381,7 +424,7 @@ class Receiver:
             if record not in peer.inbox:
                 peer.inbox.append(record)
             if peer.status is PeerStatus.READY:
-                self._start_worker(peer)
+                self.start_worker(peer)
             return
         if record in peer.inbox:
             peer.inbox.remove(record)

@@ -72,6 +72,17 @@ class Sender:
             raise RequestAbortedError(f"request {request_id!r} was aborted")
         enc = codec.dumps(payload, allow_pickle=core.config.allow_pickle)
         meta = self.metadata(metadata)
+        peer = self.peers.get(target)
+        if peer is not None and peer.status is PeerStatus.READY:
+            # The fast path: a small payload to a ready peer with room in its queue waits
+            # for nothing, so it needs no guard and no trip around the event loop.
+            layout = packing.plan(enc.tensors, enc.paths)
+            route = self.select(peer, payload_info(kind, enc.tensors, layout))
+            if route.backend == INLINE.name and core.outbox.has_room(peer):
+                stats, chunk_id = self._account(peer, route, request_id, kind)
+                return self._inline_now(
+                    peer, enc, layout, request_id, kind, chunk_id, meta, stats, traceparent
+                )
         with core.aborts.guard(request_id, target):
             peer = await self.peers.wait_ready(target, core.config.handshake_timeout)
             layout = packing.plan(enc.tensors, enc.paths)
@@ -96,12 +107,7 @@ class Sender:
     ) -> SendReceipt:
         """Send an encoded payload to a ready peer on its route (also one target of a
         fan-out, which passes the ``shared`` export it packed once)."""
-        stats = self._stats(peer.name, kind, route)
-        self.core.aborts.note_sent(request_id, peer.name)
-        chunk_id = 0
-        if kind == "stream_chunk":
-            chunk_id = peer.chunk_ids.get(request_id, 0)
-            peer.chunk_ids[request_id] = chunk_id + 1
+        stats, chunk_id = self._account(peer, route, request_id, kind)
         if route.backend == INLINE.name:
             return await self._send_inline(
                 peer, enc, layout, request_id, kind, chunk_id, meta, stats, traceparent
@@ -188,6 +194,18 @@ class Sender:
             )
         return route
 
+    def _account(
+        self, peer: Peer, route: Route, request_id: str, kind: Kind
+    ) -> tuple[RouteStats, int]:
+        """Note that ``peer`` gets data of the request (an abort must reach it); the
+        route's statistics and the chunk's position in its stream."""
+        self.core.aborts.note_sent(request_id, peer.name)
+        chunk_id = 0
+        if kind == "stream_chunk":
+            chunk_id = peer.chunk_ids.get(request_id, 0)
+            peer.chunk_ids[request_id] = chunk_id + 1
+        return self._stats(peer.name, kind, route), chunk_id
+
     def _stats(self, peer: str, kind: str, route: Route) -> RouteStats:
         key = (peer, kind, route.backend)
         stats = self.route_stats.get(key)
@@ -210,25 +228,53 @@ class Sender:
         stats: RouteStats,
         traceparent: str,
     ) -> SendReceipt:
-        data = bytearray(layout.nbytes)
-        packing.pack_into(data, enc.tensors, layout)
-        msg = wire.DataReadyMessage(
+        """An inline send that may have to wait for room in the peer's queue."""
+        msg = self._inline_message(peer, enc, layout, request_id, kind, chunk_id, meta, traceparent)
+        await self.core.outbox.send(peer, msg, self.core.config.ack_timeout)
+        return _carried_inline(peer, request_id, layout, stats)
+
+    def _inline_now(
+        self,
+        peer: Peer,
+        enc: codec.Encoded,
+        layout: packing.PackPlan,
+        request_id: str,
+        kind: Kind,
+        chunk_id: int,
+        meta: bytes,
+        stats: RouteStats,
+        traceparent: str,
+    ) -> SendReceipt:
+        """An inline send with room in the peer's queue: posted, done (no ACK follows)."""
+        msg = self._inline_message(peer, enc, layout, request_id, kind, chunk_id, meta, traceparent)
+        self.core.outbox.post(peer, msg)
+        return _carried_inline(peer, request_id, layout, stats)
+
+    def _inline_message(
+        self,
+        peer: Peer,
+        enc: codec.Encoded,
+        layout: packing.PackPlan,
+        request_id: str,
+        kind: Kind,
+        chunk_id: int,
+        meta: bytes,
+        traceparent: str,
+    ) -> wire.DataReadyMessage:
+        return wire.DataReadyMessage(
             request_id=request_id,
             from_stage=self.core.name,
             to_stage=peer.name,
             chunk_id=chunk_id,
             inline=wire.InlineStreamChunkRef(
-                header=enc.header, tensors=layout.metas, data=bytes(data), kind=kind
+                header=enc.header,
+                tensors=layout.metas,
+                data=packing.pack_bytes(enc.tensors, layout),
+                kind=kind,
             ),
             metadata=meta,
             traceparent=traceparent,
         )
-        started = time.monotonic()
-        await self.core.outbox.send(peer, msg, self.core.config.ack_timeout)
-        stats.count += 1
-        stats.nbytes += layout.nbytes
-        stats.latencies.append(time.monotonic() - started)
-        return SendReceipt.completed(peer.name, request_id, INLINE.name, layout.nbytes)
 
     # -- objects -----------------------------------------------------------------------
 
@@ -471,6 +517,15 @@ class Sender:
 
     def in_flight(self) -> dict[str, int]:
         return {p.name: len(p.session.outbound) for p in self.peers.all()}
+
+
+def _carried_inline(
+    peer: Peer, request_id: str, layout: packing.PackPlan, stats: RouteStats
+) -> SendReceipt:
+    """The receipt of an inline send: complete when handed on (inline data has no ACK)."""
+    stats.count += 1
+    stats.nbytes += layout.nbytes
+    return SendReceipt.completed(peer.name, request_id, INLINE.name, layout.nbytes)
 
 
 def payload_info(kind: Kind, tensors: list[torch.Tensor], layout: packing.PackPlan) -> PayloadInfo:

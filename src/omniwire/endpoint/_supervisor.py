@@ -1,10 +1,16 @@
-"""The endpoint's background tasks: a task group that lives in a task of its own.
+"""The endpoint's background tasks: owned by the endpoint, not by its caller's scopes.
 
-A task group entered in ``start()`` and exited in ``aclose()`` would tie the
-endpoint's cancel scope to the caller's (anyio refuses to exit a scope that is
-not the innermost, so ``fail_after`` around ``aclose`` would break it). Running
-the group in its own task keeps the caller's scopes and the endpoint's apart:
-``aclose`` just asks that task to stop and waits for it, bounded.
+Tasks are plain asyncio tasks that the supervisor tracks, for two reasons:
+
+- they must be startable from event-loop callbacks (a ring's wake-up, the outbox's
+  end-of-iteration flush), where no task is current — anyio cannot start a task
+  there under ``asyncio.run``;
+- their lifetime must not be tied to the caller's cancel scopes: a task group
+  entered in ``start()`` and exited in ``aclose()`` would break when the caller
+  wraps ``aclose`` in ``fail_after`` (anyio refuses to exit a scope that is not the
+  innermost one).
+
+``aclose`` cancels every task and waits for them, bounded and shielded.
 """
 
 from __future__ import annotations
@@ -15,7 +21,6 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import anyio
-from anyio.abc import TaskGroup
 
 from ._stats import Counters
 
@@ -30,56 +35,48 @@ class Supervisor:
     def __init__(self, owner: str, counters: Counters) -> None:
         self.owner = owner
         self.counters = counters
-        self._tg: TaskGroup | None = None
-        self._task: asyncio.Task[None] | None = None
-        self._stop = anyio.Event()
-        self._running = False  # inside the task group: new tasks may start
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._running = False
 
     async def start(self) -> None:
-        started = anyio.Event()
-
-        async def main() -> None:
-            try:
-                async with anyio.create_task_group() as tg:
-                    self._tg = tg
-                    self._running = True
-                    started.set()
-                    await self._stop.wait()
-                    self._running = False
-                    tg.cancel_scope.cancel()
-            finally:
-                self._running = False
-
-        self._task = asyncio.get_running_loop().create_task(main(), name=f"omniwire:{self.owner}")
-        await started.wait()
+        self._loop = asyncio.get_running_loop()
+        self._running = True
 
     def spawn(self, fn: Callable[..., Awaitable[Any]], *args: Any) -> None:
-        """Run ``fn(*args)`` in the background until it returns or the endpoint closes."""
-        if self._tg is None or not self._running or self._stop.is_set():
-            return  # closing: nothing new starts
+        """Run ``fn(*args)`` in the background until it returns or the endpoint closes.
+        Callable from a task or from a loop callback; nothing starts once closing."""
+        if not self._running or self._loop is None:
+            return
 
         async def guarded() -> None:
             try:
                 await fn(*args)
+            except asyncio.CancelledError:
+                pass
             except Exception:
                 self.counters["internal_errors"] += 1
                 log.exception("%s: background task %s failed", self.owner, fn.__name__)
 
-        coro = guarded()
-        try:  # the group may be shutting down (the loop itself is closing): then drop it
-            self._tg.start_soon(lambda: coro, name=getattr(fn, "__name__", "task"))
-        except RuntimeError:
-            coro.close()
+        task = self._loop.create_task(guarded(), name=f"omniwire:{self.owner}:{fn.__name__}")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def aclose(self, timeout: float) -> None:
         """Cancel every task and wait for them, at most ``timeout`` seconds (shielded)."""
-        self._stop.set()
-        task = self._task
-        if task is None:
+        self._running = False
+        tasks = set(self._tasks)
+        for task in tasks:
+            task.cancel()
+        if not tasks:
             return
         with anyio.CancelScope(shield=True):
-            await asyncio.wait({task}, timeout=timeout)
-            if not task.done():  # a task ignored its cancellation: cancel harder, still bounded
-                log.warning("%s: background tasks did not stop within %g s", self.owner, timeout)
-                task.cancel()
-                await asyncio.wait({task}, timeout=timeout)
+            _, pending = await asyncio.wait(tasks, timeout=timeout)
+        if pending:
+            log.warning(
+                "%s: %d background task(s) did not stop within %g s: %s",
+                self.owner,
+                len(pending),
+                timeout,
+                ", ".join(sorted(t.get_name() for t in pending)),
+            )
