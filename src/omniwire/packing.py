@@ -312,19 +312,20 @@ def unpack(
     if isinstance(buffer, bytearray) and not copy:
         return _unpack_bytes(buffer, metas)
     base = as_byte_tensor(buffer)
-    size = base.numel()
-    out = []
-    for i, meta in enumerate(metas):
-        try:
-            _check_meta(meta, size)
-            dtype = torch_dtype(meta.dtype)
-            view = base[meta.offset : meta.offset + meta.nbytes].view(dtype).view(meta.shape)
-            out.append(view.clone() if copy else view)
-        except (WireFormatError, RuntimeError, TypeError, ValueError, OverflowError) as exc:
-            name = repr(meta.path) if meta.path else f"#{i}"
-            why = str(exc).partition("\n")[0]  # torch appends a C++ trace to some errors
-            raise WireFormatError(f"tensor {name} ({meta.dtype}) {why}") from exc
-    return out
+    return [_view(base, meta, i, copy) for i, meta in enumerate(metas)]
+
+
+def _view(base: torch.Tensor, meta: TensorMeta, i: int, copy: bool) -> torch.Tensor:
+    """Entry ``i`` of a tensor table as a view of ``base`` (or a copy)."""
+    try:
+        _check_meta(meta, base.numel())
+        dtype = torch_dtype(meta.dtype)
+        view = base[meta.offset : meta.offset + meta.nbytes].view(dtype).view(meta.shape)
+        return view.clone() if copy else view
+    except (WireFormatError, RuntimeError, TypeError, ValueError, OverflowError) as exc:
+        name = repr(meta.path) if meta.path else f"#{i}"
+        why = str(exc).partition("\n")[0]  # torch appends a C++ trace to some errors
+        raise WireFormatError(f"tensor {name} ({meta.dtype}) {why}") from exc
 
 
 def _unpack_bytes(buffer: bytearray, metas: Sequence[TensorMeta]) -> list[torch.Tensor]:
@@ -332,10 +333,12 @@ def _unpack_bytes(buffer: bytearray, metas: Sequence[TensorMeta]) -> list[torch.
     dtype (several times cheaper than torch's views), torch's views otherwise."""
     size = len(buffer)
     out = []
+    base: torch.Tensor | None = None
     for i, meta in enumerate(metas):
         np_dtype = _NUMPY.get(meta.dtype)
         if np_dtype is None or not meta.nbytes:  # empty ones may have huge dims numpy refuses
-            out += unpack(as_byte_tensor(buffer), [meta], copy=False)
+            base = as_byte_tensor(buffer) if base is None else base
+            out.append(_view(base, meta, i, False))
             continue
         try:
             _check_meta(meta, size)
