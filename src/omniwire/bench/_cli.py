@@ -247,7 +247,7 @@ def _parser() -> argparse.ArgumentParser:
 
     p = argparse.ArgumentParser(
         prog="omniwire bench",
-        description=doc,
+        description=(doc or "").replace("``", ""),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument(
@@ -259,13 +259,50 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--busy", action="store_true", help="run a CPU burner (one busy loop) throughout"
     )
-    g = p.add_argument_group("scenario counts (defaults: see the description; --quick lowers them)")
-    g.add_argument("--rounds", type=int, help="interleaved rounds of echo and stream")
-    g.add_argument("--messages", type=int, help="echo round trips / stream chunks per round")
-    g.add_argument("--mix", metavar="STREAMSxCHUNKS", help="the mix's shape (default 20x200)")
-    g.add_argument("--mix-rounds", type=int, help="interleaved rounds of the mix")
-    g.add_argument("--shm-rounds", type=int, help="interleaved rounds of 64 MiB over shm")
-    g.add_argument("--idle-seconds", type=float, help="how long the idle endpoint is watched")
+    d, q = _scenarios.Counts(), _scenarios.Counts.quick()
+    g = p.add_argument_group("scenario counts (a warm-up round of each comes on top)")
+    g.add_argument(
+        "--rounds",
+        type=int,
+        help=f"interleaved rounds of echo and stream (default {d.rounds}, quick {q.rounds})",
+    )
+    g.add_argument(
+        "--round-trips",
+        type=int,
+        help=f"echo round trips per round (default {d.echo_iters}, quick {q.echo_iters})",
+    )
+    g.add_argument(
+        "--chunks",
+        type=int,
+        help=f"stream chunks per round (default {d.stream_n:,}, quick {q.stream_n:,})",
+    )
+    g.add_argument(
+        "--mix",
+        metavar="STREAMSxCHUNKS",
+        help=f"the mix's shape (default {d.mix_streams}x{d.mix_chunks})",
+    )
+    g.add_argument(
+        "--mix-yield",
+        action="store_true",
+        help="each mix producer, omniwire's and the baseline's, yields to the event loop "
+        "after every chunk (anyio.lowlevel.checkpoint())",
+    )
+    g.add_argument(
+        "--mix-rounds",
+        type=int,
+        help=f"interleaved rounds of the mix (default {d.mix_rounds}, quick {q.mix_rounds})",
+    )
+    g.add_argument(
+        "--shm-rounds",
+        type=int,
+        help=f"interleaved rounds of 64 MiB over shm, {d.shm_reps} transfers each per "
+        f"receiver and memcpy (default {d.shm_rounds}, quick {q.shm_rounds})",
+    )
+    g.add_argument(
+        "--idle-seconds",
+        type=float,
+        help=f"how long the idle endpoint is watched (default {d.idle_s:g}, quick {q.idle_s:g})",
+    )
     g = p.add_argument_group("the per-backend table (scenario 'table')")
     g.add_argument(
         "--backends",
@@ -298,8 +335,10 @@ def _options(args: argparse.Namespace, p: argparse.ArgumentParser) -> Options:
     changes: dict[str, Any] = {}
     if args.rounds is not None:
         changes["rounds"] = args.rounds
-    if args.messages is not None:
-        changes["echo_iters"] = changes["stream_n"] = args.messages
+    if args.round_trips is not None:
+        changes["echo_iters"] = args.round_trips
+    if args.chunks is not None:
+        changes["stream_n"] = args.chunks
     if args.mix:
         try:
             streams, chunks = (int(x) for x in args.mix.lower().split("x"))
@@ -309,6 +348,8 @@ def _options(args: argparse.Namespace, p: argparse.ArgumentParser) -> Options:
     for flag, key in (("mix_rounds", "mix_rounds"), ("shm_rounds", "shm_rounds")):
         if getattr(args, flag) is not None:
             changes[key] = getattr(args, flag)
+    if args.mix_yield:
+        changes["mix_yield"] = True
     if args.idle_seconds is not None:
         changes["idle_s"] = args.idle_seconds
     counts = replace(counts, **changes)

@@ -60,8 +60,14 @@ class Target:
     #: what is compared: the figure's ratio to its baseline, or its own value
     of: Literal["ratio", "value"] = "ratio"
     met: bool | None = None
+    #: for people: ``omniwire/baseline ≤ 2``, ``value ≤ 0.01 core``
+    text: str = ""
 
     def judge(self, figure: Figure) -> None:
+        sign = "≤" if self.better == "lower" else "≥"
+        what = "omniwire/baseline" if self.of == "ratio" else "omniwire"
+        unit = "" if self.of == "ratio" else f" {figure.unit}"
+        self.text = f"{what} {sign} {self.limit:g}{unit}{' (stretch goal)' if self.stretch else ''}"
         value = figure.ratio if self.of == "ratio" else figure.omniwire
         if value is None or math.isnan(value):
             self.met = None

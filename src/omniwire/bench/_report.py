@@ -69,6 +69,10 @@ def _scenarios(results: Results) -> Iterator[str]:
     yield "  baselines (same run, rounds interleaved with omniwire's; ratio = omniwire ÷ baseline):"
     for s in results.scenarios.values():
         yield f"    {s.title}: {s.baseline}"
+    for s in results.scenarios.values():
+        note = s.params.get("note")
+        if isinstance(note, str):
+            yield f"  note ({s.title}): {note}"
     carried = []
     for s in results.scenarios.values():
         by = s.params.get("carried_by")

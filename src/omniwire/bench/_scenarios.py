@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import anyio
+import anyio.lowlevel
 import numpy as np
 import torch
 
@@ -40,8 +41,23 @@ __all__ = [
 
 T = TypeVar("T")
 
-#: no round of any scenario may take longer (a hung peer fails the scenario, not the run)
-ROUND_TIMEOUT = 120.0
+#: no half-round may take longer: a stall fails the scenario (not the run) and says so.
+#: Shorter than the bench endpoints' ack_timeout, so that a stall is not waited out.
+ROUND_TIMEOUT = 30.0
+
+
+class RoundTimeout(RuntimeError):
+    """A round of a scenario did not finish within ``ROUND_TIMEOUT`` seconds."""
+
+
+async def _timed_out(label: str, side: str, r: int, fn: Awaitable[T]) -> T:
+    with anyio.move_on_after(ROUND_TIMEOUT) as scope:
+        return await fn
+    assert scope.cancelled_caught
+    raise RoundTimeout(
+        f"{label}: {side} round {r} did not finish within {ROUND_TIMEOUT:g} s "
+        "(stalled; or lower the counts)"
+    )
 
 
 @dataclass(frozen=True)
@@ -50,18 +66,21 @@ class Counts:
 
     rounds: int = 10
     echo_iters: int = 200
-    stream_n: int = 2000
+    stream_n: int = 5000
     mix_rounds: int = 5
     mix_streams: int = 20
     mix_chunks: int = 200
     mix_seed: int = 14
+    #: each mix producer (omniwire's and the baseline's) yields to the event loop
+    #: after every chunk, as a producer that awaits other work between chunks would
+    mix_yield: bool = False
     idle_s: float = 3.0
     shm_rounds: int = 5
     shm_reps: int = 3
 
     @classmethod
     def quick(cls) -> Counts:
-        return cls(rounds=4, echo_iters=100, stream_n=1000, mix_rounds=2, idle_s=2.0, shm_rounds=3)
+        return cls(rounds=4, echo_iters=100, stream_n=2000, mix_rounds=2, idle_s=2.0, shm_rounds=3)
 
 
 @dataclass
@@ -87,13 +106,12 @@ async def _interleaved(
     theirs: list[T] = []
     for r in range(rounds + 1):
         step(f"{label} round {r}/{rounds}" if r else f"{label} warm-up")
-        with anyio.fail_after(ROUND_TIMEOUT):
-            if r % 2:
-                a = await omniwire(r)
-                b = await baseline(r)
-            else:
-                b = await baseline(r)
-                a = await omniwire(r)
+        if r % 2:
+            a = await _timed_out(label, "omniwire", r, omniwire(r))
+            b = await _timed_out(label, "baseline", r, baseline(r))
+        else:
+            b = await _timed_out(label, "baseline", r, baseline(r))
+            a = await _timed_out(label, "omniwire", r, omniwire(r))
         if r:
             ours.append(a)
             theirs.append(b)
@@ -274,6 +292,7 @@ async def mix(pair: Pair, counts: Counts) -> Scenario:
     blobs = [[bytes(s) for s in row] for row in sizes]
     total = k * c
     total_bytes = sum(map(sum, sizes))
+    pause = counts.mix_yield
 
     async def ours(r: int) -> tuple[float, Sequence[int]]:
         group = f"mix{r}"
@@ -283,6 +302,8 @@ async def mix(pair: Pair, counts: Counts) -> Scenario:
             row = tensors[j]
             for chunk in row[:-1]:
                 await ep.stream(peer, chunk, request_id=rid, metadata={"t": time.monotonic_ns()})
+                if pause:
+                    await anyio.lowlevel.checkpoint()
             meta = {"t": time.monotonic_ns(), "last": True, "group": group, "streams": k}
             await ep.stream(peer, row[-1], request_id=rid, metadata=meta)
 
@@ -303,6 +324,8 @@ async def mix(pair: Pair, counts: Counts) -> Scenario:
             row = blobs[j]
             for blob in row[:-1]:
                 await raw.mix_chunk(blob, False, k)
+                if pause:
+                    await anyio.lowlevel.checkpoint()
             await raw.mix_chunk(row[-1], True, k)
 
         start = time.perf_counter()
@@ -322,7 +345,7 @@ async def mix(pair: Pair, counts: Counts) -> Scenario:
     lat_b = [x / 1e9 for _, lat in b for x in lat]
     return Scenario(
         "mix",
-        f"{k}-stream mix",
+        f"{k}-stream mix{', yielding' if pause else ''}",
         f"the same {k} producer tasks sharing one raw zmq.asyncio PUSH socket "
         "(omniwire also has one connection to the peer); each message is a 11-byte "
         "header (send time, last flag) and the chunk's bytes",
@@ -359,6 +382,9 @@ async def mix(pair: Pair, counts: Counts) -> Scenario:
             "mean_chunk_bytes": total_bytes / total,
             "rounds": counts.mix_rounds,
             "raw_sockets": "one PUSH shared by the producer tasks",
+            "yield_between_chunks": pause,
+            "note": "producers run flat out: a chunk's latency includes queueing behind "
+            "the others', so it grows with the rate reached — read it beside msgs/s",
         },
     )
 
@@ -446,12 +472,12 @@ async def shm_large(
     for r in range(counts.shm_rounds + 1):
         step(f"{size // MiB} MiB over shm round {r}/{counts.shm_rounds}" if r else "shm warm-up")
         got: dict[str, list[float]] = {}
-        with anyio.fail_after(ROUND_TIMEOUT):
-            for name in order[r % 3 :] + order[: r % 3]:
-                if name == "memcpy":
-                    got[name] = memcpy()
-                else:
-                    got[name] = await oneway(copy if name == "copy" else zero_copy, r)
+        for name in order[r % 3 :] + order[: r % 3]:
+            if name == "memcpy":
+                got[name] = memcpy()
+            else:
+                target = copy if name == "copy" else zero_copy
+                got[name] = await _timed_out("64 MiB over shm", name, r, oneway(target, r))
         if r:
             for name, times in got.items():
                 samples[name].extend(times)

@@ -27,11 +27,13 @@ def parse_size(text: str) -> int:
         ValueError: not a size.
     """
     clean = text.strip().upper().removesuffix("B").removesuffix("I")
-    for suffix, scale in (("K", KiB), ("M", MiB), ("G", GiB)):
+    scale = 1
+    for suffix, factor in (("K", KiB), ("M", MiB), ("G", GiB)):
         if clean.endswith(suffix):
-            return int(float(clean[:-1]) * scale)
+            clean, scale = clean[:-1], factor
+            break
     try:
-        return int(clean)
+        return int(float(clean) * scale)
     except ValueError:
         raise ValueError(f"not a size: {text!r} (e.g. 1K, 64M, 4096)") from None
 
