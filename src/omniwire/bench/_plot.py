@@ -28,6 +28,14 @@ NOT_PLOTTED = ("mean", "B/s")
 RATIO_TICKS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 50, 100)
 
 
+MODE_STYLE = {"copy": "o-", "zero-copy": "s--", "lent": "^--"}
+
+
+def _legend(ax: Any) -> None:
+    """Below the axes, so that no line hides behind it."""
+    ax.legend(fontsize=7, ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.2), frameon=False)
+
+
 def _size_axis(ax: Any, sizes: list[int]) -> None:
     ax.set_xscale("log", base=2)
     ax.set_xticks(sizes)
@@ -60,7 +68,7 @@ def plot(results: Results, path: str) -> None:
     panels = (2 if table is not None else 0) + (1 if ratios else 0)
     if not panels:
         raise ValueError("nothing to plot: no table rows and no scenario ratios")
-    fig, axes = plt.subplots(1, panels, figsize=(6.4 * panels, 5.4), squeeze=False)
+    fig, axes = plt.subplots(1, panels, figsize=(6.4 * panels, 6.6), squeeze=False)
     ax_iter = iter(axes[0])
     busy = " — other core busy" if results.busy.get("ran") else ""
     fig.suptitle(f"omniwire bench: two processes on one host{busy}", fontsize=12)
@@ -68,42 +76,45 @@ def plot(results: Results, path: str) -> None:
     if table is not None:
         sizes = sorted({r.size for r in table.rows} | set(table.memcpy_gbps))
         keys = sorted({(r.backend, r.mode) for r in table.rows})
-        colors = {k: f"C{i}" for i, k in enumerate(keys)}
-        ax = next(ax_iter)
+        backends = sorted({b for b, _ in keys} | set(table.raw_engine_gbps))
+        color = {b: f"C{i % 10}" for i, b in enumerate(backends)}
         m = sorted(table.memcpy_gbps)
+
+        def series(ax: Any, value: Any) -> None:
+            # colour: the backend; marker and line: the mode
+            for key in keys:
+                rows = [r for r in table.rows if (r.backend, r.mode) == key]
+                ax.plot([r.size for r in rows], [value(r) for r in rows], MODE_STYLE.get(key[1], "o-"),
+                        color=color[key[0]], label=f"{key[0]} {key[1]}")  # fmt: skip
+
+        ax = next(ax_iter)
         ax.plot(m, [table.memcpy_gbps[s] * 1e9 for s in m], "k--", label="memcpy (baseline)")
-        for key in keys:
-            rows = [r for r in table.rows if (r.backend, r.mode) == key]
-            ax.plot([r.size for r in rows], [r.oneway_gbps * 1e9 for r in rows], "o-",
-                    color=colors[key], label=f"{key[0]} {key[1]}")  # fmt: skip
-        for i, (name, figures) in enumerate(table.raw_engine_gbps.items()):
+        series(ax, lambda r: r.oneway_gbps * 1e9)
+        for name, figures in table.raw_engine_gbps.items():
             s = sorted(figures)
-            ax.plot(s, [figures[x] * 1e9 for x in s], "x:", color=f"C{len(keys) + i}",
+            ax.plot(s, [figures[x] * 1e9 for x in s], "x:", color=color[name], markersize=8,
                     label=f"raw {name} (baseline)")  # fmt: skip
         _size_axis(ax, sizes)
         ax.set_yscale("log")
         ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: _tick(v, RATE_UNITS)))
         ax.set_ylabel("one-way throughput (send → ACK)")
         ax.set_title("Throughput (higher is better)")
-        ax.legend(fontsize=8)
+        _legend(ax)
 
         ax = next(ax_iter)
-        for key in keys:
-            rows = [r for r in table.rows if (r.backend, r.mode) == key]
-            ax.plot([r.size for r in rows], [r.rtt_p50_us / 1e6 for r in rows], "o-",
-                    color=colors[key], label=f"{key[0]} {key[1]} round trip p50")  # fmt: skip
         z = sorted(table.zmq_rtt_us)
         if z:
             ax.plot(z, [table.zmq_rtt_us[s] / 1e6 for s in z], "k--",
-                    label="raw zmq.asyncio round trip (baseline)")  # fmt: skip
+                    label="raw zmq.asyncio (baseline)")  # fmt: skip
         ax.plot(m, [s / (table.memcpy_gbps[s] * 1e9) for s in m], ":", color="grey",
-                label="one memcpy of the size (baseline)")  # fmt: skip
+                label="one memcpy (baseline)")  # fmt: skip
+        series(ax, lambda r: r.rtt_p50_us / 1e6)
         _size_axis(ax, sizes)
         ax.set_yscale("log")
         ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: _tick(v, TIME_UNITS)))
-        ax.set_ylabel("round trip (send → echo received)")
+        ax.set_ylabel("round trip p50 (send → echo received)")
         ax.set_title("Latency (lower is better)")
-        ax.legend(fontsize=8)
+        _legend(ax)
 
     if ratios:
         ax = next(ax_iter)
