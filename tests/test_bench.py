@@ -3,6 +3,7 @@ run that survives a failing row. Tiny counts; no timing assertions."""
 
 from __future__ import annotations
 
+import glob
 import json
 import math
 import pathlib
@@ -13,6 +14,7 @@ import pytest
 from omniwire import OmniwireError
 from omniwire.bench import _cli, _units
 from omniwire.bench._model import Figure, Target, percentile
+from omniwire.bench._procs import ipc_base
 from omniwire.endpoint import Endpoint
 from omniwire.peer import Tally
 
@@ -94,10 +96,16 @@ def _figures_check(doc: dict[str, Any]) -> None:
                 assert t["met"] in (True, False), (name, fname, t)
 
 
+def _socket_files() -> set[str]:
+    """The ipc socket files bench processes of this user bind."""
+    return set(glob.glob(ipc_base("*").removeprefix("ipc://")))
+
+
 def test_scenarios_smoke_json_and_plot(
     tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     out, png = tmp_path / "bench.json", tmp_path / "bench.png"
+    sockets = _socket_files()
     code = _cli.main(
         ["--scenarios", "idle,echo,stream,mix,shm", *TINY, "--json", str(out), "--plot", str(png)]
     )
@@ -126,6 +134,7 @@ def test_scenarios_smoke_json_and_plot(
     assert "msgs/s" in text and "GB/s" in text and "≤ 2×:" in text
     assert "0.00 GB/s" not in text
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert _socket_files() - sockets == set()  # every process removed what it bound
 
 
 def test_busy_runs_a_burner_throughout(tmp_path: pathlib.Path) -> None:

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import array
 import asyncio
+import contextlib
+import os
 import secrets
 import signal
 import struct
@@ -97,6 +99,15 @@ async def serve(base: str) -> None:
     for s in (*pulls, back):
         s.close(0)
     ctx.term()
+    for name in ("echo", "count", "mix"):
+        _unlink(f"{base}-{name}")
+
+
+def _unlink(address: str) -> None:
+    """Remove the socket file of an ``ipc://`` address this process bound."""
+    if address.startswith("ipc://"):
+        with contextlib.suppress(OSError):
+            os.unlink(address[len("ipc://") :])
 
 
 # -- this process's side -------------------------------------------------------------
@@ -150,6 +161,7 @@ class RawZmq:
         for s in (self.echo_push, self.count_push, self.mix_push, self.back):
             s.close(0)
         self.ctx.term()
+        _unlink(f"{self.base}-back")
 
 
 def new_base() -> str:
