@@ -284,9 +284,19 @@ _flat_headers: dict[tuple[str, ...], tuple[bytes, list[str]]] = {}
 _flat_keys: dict[bytes, tuple[str, ...]] = {}
 
 
+_FLAT_SCALARS: Final = (str, bool, float, type(None))
+
+
 def _dumps_flat(value: dict[Any, Any]) -> Encoded | None:
     keys = tuple(value)
     tensors = list(value.values())
+    if all(type(v) in _FLAT_SCALARS or type(v) is int for v in tensors):
+        # Metadata-like: str keys and plain scalars encode as msgpack does them.
+        if all(type(k) is str for k in keys) and all(
+            _I64_MIN <= v <= _U64_MAX for v in tensors if type(v) is int
+        ):
+            return Encoded(_encoder.encode(value), [], [])
+        return None
     for k, t in zip(keys, tensors, strict=True):
         if type(k) is not str or type(t) is not torch.Tensor:
             return None

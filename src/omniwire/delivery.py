@@ -39,7 +39,7 @@ class _Replier(Protocol):
     ) -> None: ...
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Delivery:
     """One thing that arrived for this endpoint.
 

@@ -95,6 +95,8 @@ class PackPlan:
 
     metas: tuple[TensorMeta, ...]
     nbytes: int
+    #: Device kinds of the tensors ("cpu", "cuda"); empty when there are none.
+    devices: frozenset[str] = frozenset()
 
 
 #: Plans of recent payload shapes: a pipeline sends the same shapes over and over.
@@ -135,7 +137,7 @@ def plan(tensors: Sequence[torch.Tensor], paths: Sequence[str] = ()) -> PackPlan
             )
         )
         end = offset + nbytes
-    layout = PackPlan(tuple(metas), end)
+    layout = PackPlan(tuple(metas), end, frozenset(t.device.type for t in tensors))
     if len(_PLANS) >= _PLANS_MAX:
         _PLANS.clear()
     _PLANS[key] = layout

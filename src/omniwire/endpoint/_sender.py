@@ -528,8 +528,18 @@ def _carried_inline(
     return SendReceipt.completed(peer.name, request_id, INLINE.name, layout.nbytes)
 
 
+_INFOS: dict[tuple[int, int, frozenset[str], str], PayloadInfo] = {}
+
+
 def payload_info(kind: Kind, tensors: list[torch.Tensor], layout: packing.PackPlan) -> PayloadInfo:
-    return PayloadInfo(kind, layout.nbytes, frozenset(t.device.type for t in tensors), len(tensors))
+    """What routing may know of a payload (one object per shape: routes are cached by it)."""
+    key = (layout.nbytes, len(tensors), layout.devices, kind)
+    info = _INFOS.get(key)
+    if info is None:
+        if len(_INFOS) >= 1024:
+            _INFOS.clear()
+        info = _INFOS[key] = PayloadInfo(kind, layout.nbytes, layout.devices, len(tensors))
+    return info
 
 
 def _as_error(exc: BaseException, peer: Peer) -> BaseException | None:
