@@ -232,13 +232,15 @@ class ForeignPeer:
         wire_max: tuple[int, int] = VERSION,
         address: str | None = None,
         name: str | None = None,
+        features: tuple[str, ...] = (),
+        ring_attached: str = "",
     ) -> dict[str, Any]:
         return {
             "type": "hello",
             "endpoint": name or self.name,
             "wire_min": list(wire_min),
             "wire_max": list(wire_max),
-            "features": [],
+            "features": list(features),
             "host_id": host_id(),
             "hostname": "foreign",
             "pid": os.getpid(),
@@ -252,6 +254,8 @@ class ForeignPeer:
             ],
             "is_reply": is_reply,
             "to_endpoint": to_endpoint,
+            "ring": "",  # this peer offers no ring for the reference's frames (§3.6)
+            "ring_attached": ring_attached,
         }
 
     def data_ready(
