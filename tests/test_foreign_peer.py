@@ -275,6 +275,21 @@ def test_misaddressed_data_ready_is_nacked(reference: PeerProcess, foreign: Fore
     assert (nack["object_id"], nack["success"], nack["reason"]) == (4, False, "misaddressed")
 
 
+def test_misaddressed_inline_data_is_dropped(reference: PeerProcess, foreign: ForeignPeer) -> None:
+    """Misaddressed data without a DataRef has nothing to NACK: it is dropped, never
+    delivered (so the echo stage never echoes it)."""
+    foreign.handshake(REFERENCE, reference.address)
+    inline = foreign.inline([np.ones(2, dtype=np.uint8)], TensorIndex(0))
+    foreign.send(foreign.data_ready("req-misaddressed-inline", inline=inline, to_stage="nobody"))
+    foreign.send(foreign.data_ready("req-addressed", inline=inline))
+    foreign.expect(lambda b: b.get("request_id") == "req-addressed", WAIT, "the echo")
+    assert not [
+        b
+        for d, b in foreign.log
+        if b.get("request_id") == "req-misaddressed-inline" and d != "sent"
+    ]
+
+
 def test_unreadable_data_ref_is_nacked(reference: PeerProcess, foreign: ForeignPeer) -> None:
     """A reference to a segment that is not ours: refused with a reason, never read."""
     foreign.handshake(REFERENCE, reference.address)
@@ -286,6 +301,26 @@ def test_unreadable_data_ref_is_nacked(reference: PeerProcess, foreign: ForeignP
     nack = foreign.expect(lambda b: b["type"] == "data_ack", WAIT, "the NACK")
     assert (nack["object_id"], nack["success"]) == (5, False)
     assert nack["reason"] in ("malformed", "backend_error")
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="the reference NACKs a reference that fails its backend's checks 'backend_error', "
+    "not 'malformed' (spec §7.4, §9.1): endpoint/_receiver.py _take_object maps every "
+    "BackendError from import_ to backend_error; the backends raise BackendError for both",
+)
+def test_unreadable_data_ref_is_nacked_malformed(
+    reference: PeerProcess, foreign: ForeignPeer
+) -> None:
+    """A reference that fails validation is `malformed`, not a backend failure."""
+    foreign.handshake(REFERENCE, reference.address)
+    ref = foreign.shm_object(6, [np.zeros(8, dtype=np.uint8)], TensorIndex(0))
+    info = msgpack.unpackb(ref["ref"]["info"])
+    info["segment"] = "omniwire-1-00000000-0"
+    ref["ref"]["info"] = msgpack.packb(info)
+    foreign.send(foreign.data_ready("req-forged-2", data_ref=ref))
+    nack = foreign.expect(lambda b: b["type"] == "data_ack", WAIT, "the NACK")
+    assert (nack["object_id"], nack["success"], nack["reason"]) == (6, False, "malformed")
 
 
 # -- refusal (§2.6) ---------------------------------------------------------------------
