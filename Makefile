@@ -51,8 +51,10 @@ test: lint typecheck
 	OMNIWIRE_REQUIRE_ENGINES=1 HYPOTHESIS_PROFILE=ci OMP_NUM_THREADS=1 \
 		$(BIN)/python -m pytest
 
+# `make bench BENCH_ARGS="--quick --busy --json bench.json --plot bench.png"`
+BENCH_ARGS ?=
 bench: setup
-	OMP_NUM_THREADS=1 $(BIN)/omniwire bench
+	OMP_NUM_THREADS=1 $(BIN)/omniwire bench $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -78,7 +78,11 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(func=_demo)
     p = sub.add_parser("backends", help="list every registered backend, available or why not")
     p.set_defaults(func=_backends)
-    sub.add_parser("bench", help="throughput and latency per backend and size (omniwire bench -h)")
+    sub.add_parser(
+        "bench",
+        help="small-message scenarios and per-backend throughput and latency, each beside "
+        "its baseline (omniwire bench -h)",
+    )
     sub.add_parser(
         "peer",
         help="run a reference endpoint (echo or sink) for foreign implementations (omniwire peer -h)",

@@ -9,7 +9,12 @@ It runs one :class:`~omniwire.Endpoint` and answers every delivery:
   makes it a slow consumer);
 - ``bench``: answers (as ``echo``) only deliveries whose metadata has ``"echo": True``;
   keeps deliveries whose metadata has ``"hold": True`` unreleased (a zero-copy
-  consumer that holds on to an object) until one with ``"drop_held": True`` comes.
+  consumer that holds on to an object) until one with ``"drop_held": True`` comes;
+  counts stream chunks per request and, for chunks whose metadata carries
+  ``"t"`` (the sender's ``time.monotonic_ns()``), their latency on arrival. A chunk
+  with metadata ``{"last": True, "group": G, "streams": K}`` ends its request's
+  tally; once K requests of group G ended, G is answered (a payload, request id
+  G) with ``{"n": chunks counted, "lat_ns": int64 tensor of latencies}``.
 
 In every mode a delivery whose metadata has ``"stats": True`` is answered at once
 with ``{"stats": {backend: [exports, imports]}}`` (metadata ``{"stats": True}``):
@@ -27,9 +32,11 @@ import argparse
 import json
 import signal
 import sys
+import time
 from typing import Any
 
 import anyio
+import torch
 
 from .endpoint import Endpoint
 
@@ -68,6 +75,33 @@ async def _answer(ep: Endpoint, d: Any) -> None:
         )
 
 
+class Tally:
+    """``bench`` mode's count of stream chunks per request and per group of requests."""
+
+    def __init__(self) -> None:
+        self.counts: dict[str, int] = {}
+        self.latencies: dict[str, list[int]] = {}
+        self.groups: dict[str, list[str]] = {}
+
+    def add(self, request_id: str, meta: dict[str, Any], now_ns: int) -> tuple[str, Any] | None:
+        """Count one chunk; returns ``(group, answer)`` when its group is complete."""
+        self.counts[request_id] = self.counts.get(request_id, 0) + 1
+        sent = meta.get("t")
+        if isinstance(sent, int):
+            self.latencies.setdefault(request_id, []).append(now_ns - sent)
+        if not meta.get("last"):
+            return None
+        group = str(meta.get("group", request_id))
+        ended = self.groups.setdefault(group, [])
+        ended.append(request_id)
+        if len(ended) < int(meta.get("streams", 1)):
+            return None
+        del self.groups[group]
+        n = sum(self.counts.pop(r, 0) for r in ended)
+        latencies = [x for r in ended for x in self.latencies.pop(r, ())]
+        return group, {"n": n, "lat_ns": torch.tensor(latencies, dtype=torch.int64)}
+
+
 def backend_stats(ep: Endpoint) -> dict[str, list[int]]:
     """``{backend: [live exports, live imports]}`` of an endpoint."""
     out = {}
@@ -87,6 +121,13 @@ async def _answer_stats(ep: Endpoint, d: Any) -> None:
         )
     except Exception as exc:
         print(f"stats answer failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+
+
+async def _answer_tally(ep: Endpoint, to: str, group: str, answer: Any) -> None:
+    try:
+        await ep.send(to, answer, request_id=group, metadata={"tally": True})
+    except Exception as exc:
+        print(f"tally answer failed: {type(exc).__name__}: {exc}", file=sys.stderr)
 
 
 async def run(args: argparse.Namespace) -> int:
@@ -120,7 +161,9 @@ async def run(args: argparse.Namespace) -> int:
 
                 tg.start_soon(stop_on_signal)
                 held = []
+                tally = Tally()
                 async for d in ep:
+                    now_ns = time.monotonic_ns()
                     meta = d.metadata if isinstance(d.metadata, dict) else {}
                     if args.mode == "bench" and meta.get("hold"):
                         held.append(d)
@@ -130,7 +173,15 @@ async def run(args: argparse.Namespace) -> int:
                             h.release()
                         held.clear()
                     async with d:
-                        if isinstance(d.metadata, dict) and d.metadata.get("stats"):
+                        if (
+                            args.mode == "bench"
+                            and d.kind == "stream_chunk"
+                            and not meta.get("echo")
+                        ):
+                            done = tally.add(d.request_id, meta, now_ns)
+                            if done is not None:
+                                await _answer_tally(ep, d.from_stage, *done)
+                        elif meta.get("stats"):
                             await _answer_stats(ep, d)
                             continue
                         if args.delay:

@@ -147,9 +147,11 @@ class Outbox:
                     f"peer {peer.name!r} took no frame for {timeout:g} s (stopped, hung or "
                     "overloaded)"
                 )
-            queue.room = anyio.Event()
+            if queue.room is None or queue.room.is_set():  # one event for every waiter
+                queue.room = anyio.Event()
+            room = queue.room
             with anyio.move_on_after(left):
-                await queue.room.wait()
+                await room.wait()
         if queue.error is not None:
             raise queue.error
 

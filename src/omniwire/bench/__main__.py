@@ -1,0 +1,7 @@
+"""``python -m omniwire.bench`` is ``omniwire bench``."""
+
+import sys
+
+from . import main
+
+sys.exit(main())

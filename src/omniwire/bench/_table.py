@@ -1,0 +1,340 @@
+"""The per-backend table: throughput and latency per backend, mode and payload size.
+
+For each backend (and, for shm, both receive modes; for the cross-host engines,
+``lent`` too) a peer process runs ``python -m omniwire.peer --mode bench`` with
+every edge routed to that backend; this process sends it payloads of one tensor
+of each size and measures:
+
+- **RTT** p50/p99: the payload goes to the peer and is echoed back;
+- **one-way**: a single transfer, from ``send`` to the peer's ACK (the peer has
+  copied the data, or in zero-copy mode mapped it) — latency-bound throughput;
+- **streamed**: back-to-back transfers with credits in flight — throughput and msgs/s.
+
+Baselines from the same run: memcpy per size, a raw ``zmq.asyncio`` round trip
+per size (up to ``ZMQ_MAX``), and for each cross-host engine the bare engine
+(:mod:`omniwire.rawbench`), its transfers interleaved one by one with the row's
+one-way transfers (``vs_raw``). With shm, the *obstructed* case too: a large
+object sent while a zero-copy consumer holds a 1 KiB one. A row (backend and
+mode) that fails is reported and the table goes on.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import anyio
+import numpy as np
+import torch
+
+from .. import rawbench
+from ..endpoint import Endpoint
+from ._model import Results, Row, Table
+from ._procs import Child, ipc_base, omniwire_peer
+from ._rawzmq import RawZmq
+from ._units import KiB, MiB, fmt_size
+
+__all__ = [
+    "CROSS_HOST",
+    "DEFAULT_SIZES",
+    "OBSTRUCTED_SIZES",
+    "QUICK_SIZES",
+    "plans",
+    "run_table",
+    "steps",
+]
+
+DEFAULT_SIZES = [KiB << (2 * i) for i in range(10)]  # 1 KiB, 4 KiB, ..., 256 MiB
+QUICK_SIZES = [KiB, 64 * KiB, MiB, 64 * MiB]
+CROSS_HOST = ("mooncake", "nixl", "nccl")
+OBSTRUCTED_SIZES = [33 * MiB, 64 * MiB]
+#: the raw zmq round trip is measured up to this size
+ZMQ_MAX = 64 * MiB
+
+Raw = tuple[rawbench.Session, int, list[float]]
+
+
+def _iters(size: int, base: int) -> int:
+    """Fewer repetitions for large sizes: about 1 GiB moved per measurement, at least 5."""
+    return max(5, min(base, (1 << 30) // max(size, 1)))
+
+
+def memcpy_gbps(size: int, iters: int = 7) -> float:
+    """Warm single-thread copy bandwidth (numpy.copyto), median of ``iters``."""
+    src = np.ones(size, dtype=np.uint8)
+    dst = np.empty_like(src)
+    np.copyto(dst, src)
+    times = []
+    for _ in range(iters):
+        t = time.perf_counter()
+        np.copyto(dst, src)
+        times.append(time.perf_counter() - t)
+    return size / statistics.median(times) / 1e9
+
+
+async def zmq_rtt_us(raw: RawZmq, size: int, iters: int) -> float:
+    """Median raw zmq.asyncio round trip of ``size`` bytes, in µs."""
+    msg = bytes(size)
+    n = _iters(size, iters)
+    for _ in range(min(20, n)):
+        await raw.echo(msg)
+    times = []
+    for _ in range(n):
+        t = time.perf_counter()
+        await raw.echo(msg)
+        times.append(time.perf_counter() - t)
+    return statistics.median(times) * 1e6
+
+
+def payload(size: int) -> dict[str, torch.Tensor]:
+    if size % 4:
+        return {"x": torch.ones(size, dtype=torch.uint8)}
+    return {"x": torch.ones(max(1, size // 4), dtype=torch.float32)}
+
+
+async def _stream(ep: Endpoint, peer: str, obj: Any, n: int, tag: str, lend: bool) -> None:
+    receipts = [await ep.send(peer, obj, request_id=f"{tag}{i}", lend=lend) for i in range(n)]
+    for r in receipts:
+        await r.wait()
+
+
+async def _oneway(
+    ep: Endpoint, peer: str, obj: Any, n: int, tag: str, lend: bool, raw: Raw | None = None
+) -> float:
+    """Median seconds from ``send`` to the peer's ACK, one object at a time; with
+    ``raw = (session, size, times)``, each preceded by one bare-engine transfer
+    (its seconds appended to ``times``)."""
+    times = []
+    for i in range(n):
+        if raw is not None:
+            session, size, raw_times = raw
+            raw_times.append(await anyio.to_thread.run_sync(session.once, size))
+        start = time.perf_counter()
+        r = await ep.send(peer, obj, request_id=f"{tag}{i}", lend=lend)
+        await r.wait()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+async def _measure(
+    ep: Endpoint, peer: str, size: int, iters: int, lend: bool, raw: Raw | None
+) -> tuple[float, float, float, float, float]:
+    obj = payload(size)
+    n_rtt = _iters(size, iters)
+    # warm up: fault in arenas, pools and the receiver's buffers for this size
+    for _ in range(3):
+        r = await ep.send(peer, obj, request_id="warm", metadata={"echo": True}, lend=lend)
+        (await ep.receive()).release()
+        await r.wait()
+    rtts = []
+    for i in range(n_rtt):
+        start = time.perf_counter()
+        r = await ep.send(peer, obj, request_id=f"rtt{i}", metadata={"echo": True}, lend=lend)
+        d = await ep.receive()
+        rtts.append(time.perf_counter() - start)
+        d.release()
+        await r.wait()
+    oneway = await _oneway(ep, peer, obj, max(5, n_rtt), "one", lend, raw)
+    n_stream = max(4, n_rtt)
+    # warm the receiver's buffer pool for as many objects as may be in flight
+    await _stream(ep, peer, obj, n_stream, "warm-stream", lend)
+    start = time.perf_counter()
+    await _stream(ep, peer, obj, n_stream, "st", lend)
+    elapsed = time.perf_counter() - start
+    rtts.sort()
+    p50 = rtts[len(rtts) // 2]
+    p99 = rtts[min(len(rtts) - 1, int(0.99 * len(rtts)))]
+    return (
+        p50 * 1e6,
+        p99 * 1e6,
+        size / oneway / 1e9,
+        n_stream * size / elapsed / 1e9,
+        n_stream / elapsed,
+    )
+
+
+async def _bench_backend(
+    backend: str,
+    mode: str,
+    sizes: Sequence[int],
+    iters: int,
+    results: Results,
+    table: Table,
+    step: Callable[[str], None],
+    with_raw: bool,
+) -> None:
+    zero_copy, lend = mode == "zero-copy", mode == "lent"
+    where = f"table {backend} {mode}"
+    session: rawbench.Session | None = None
+    if with_raw and backend in rawbench.ENGINES:
+        step(f"raw {backend} (its transfers interleaved with {mode}'s)")
+        try:
+            session = await anyio.to_thread.run_sync(rawbench.open_session, backend, max(sizes))
+        except Exception as exc:
+            results.fail(f"{where}: raw {backend} baseline", exc)
+    tag = secrets.token_hex(3)
+    tcp = backend in CROSS_HOST or backend == "example_tcp"
+    base = ipc_base(tag)
+    addresses = ("tcp://127.0.0.1:0",) * 2 if tcp else (f"{base}-a", f"{base}-b")
+    biggest = max(sizes)
+    options = {"shm": {"arena_size": max(64 * MiB, 2 * biggest + 8 * MiB)}}
+    peer_name, me = f"bench-peer-{tag}", f"bench-{tag}"
+    args = ["--backends", backend, "--routes", json.dumps({me: backend})]
+    args += ["--backend-options", json.dumps(options)] + (["--zero-copy"] if zero_copy else [])
+    peer: Child | None = None
+    try:
+        peer = await anyio.to_thread.run_sync(omniwire_peer, peer_name, addresses[1], args)
+        async with Endpoint(
+            me,
+            address=addresses[0],
+            peers={peer_name: peer.info},
+            backends=[backend],
+            routes={peer_name: backend},
+            zero_copy=zero_copy,
+            backend_options=options,
+            ack_timeout=120,
+            max_inflight_bytes=options["shm"]["arena_size"] // 2,  # in flight fits an arena
+        ) as ep:
+            await ep.wait_peer(peer_name, 60)
+            for size in sizes:
+                step(f"{backend} {mode} {fmt_size(size)}")
+                raw_times: list[float] = []
+                if session is not None:
+                    await anyio.to_thread.run_sync(session.once, size)  # warm-up
+                raw = (session, size, raw_times) if session is not None else None
+                p50, p99, oneway, streamed, msgs = await _measure(
+                    ep, peer_name, size, iters, lend, raw
+                )
+                row = Row(
+                    backend, mode, size, p50, p99, oneway, streamed, msgs, table.memcpy_gbps[size]
+                )
+                if raw_times:
+                    row.raw_gbps = size / statistics.median(raw_times) / 1e9
+                    row.vs_raw = row.oneway_gbps / row.raw_gbps
+                zmq = table.zmq_rtt_us.get(size)
+                if zmq:
+                    row.zmq_rtt_us, row.vs_zmq = zmq, row.rtt_p50_us / zmq
+                table.rows.append(row)
+    finally:
+        if session is not None:
+            try:
+                await anyio.to_thread.run_sync(session.close)
+            except Exception as exc:
+                results.fail(f"{where}: closing the raw {backend} baseline", exc)
+        if peer is not None:
+            code = await anyio.to_thread.run_sync(peer.stop)
+            if code != 0:
+                results.notes.append(f"{backend} {mode}: the peer process exited with {code}")
+
+
+async def _bench_obstructed(
+    sizes: Sequence[int], iters: int, table: Table, step: Callable[[str], None]
+) -> None:
+    """shm with its default arena, zero-copy receiver: one-way seconds of a large
+    object alone, then while the receiver holds an unrelated 1 KiB object."""
+    tag = secrets.token_hex(3)
+    base = ipc_base(tag)
+    peer_name, me = f"bench-peer-{tag}", f"bench-{tag}"
+    args = ["--backends", "shm", "--routes", json.dumps({me: "shm"}), "--zero-copy"]
+    peer = await anyio.to_thread.run_sync(omniwire_peer, peer_name, f"{base}-b", args)
+    n = max(5, iters // 20)
+    try:
+        async with Endpoint(
+            me,
+            address=f"{base}-a",
+            peers={peer_name: peer.info},
+            backends=["shm"],
+            routes={peer_name: "shm"},
+            ack_timeout=120,
+        ) as ep:
+            await ep.wait_peer(peer_name, 60)
+            for size in sizes:
+                step(f"shm zero-copy {fmt_size(size)} behind a held 1 KiB object")
+                obj = payload(size)
+                await _oneway(ep, peer_name, obj, 2, "warm-alone", False)
+                alone = await _oneway(ep, peer_name, obj, n, "alone", False)
+                small = await ep.send(
+                    peer_name, payload(KiB), request_id="held", metadata={"hold": True}
+                )
+                await _oneway(ep, peer_name, obj, 1, "warm-behind", False)
+                behind = await _oneway(ep, peer_name, obj, n, "behind", False)
+                drop = await ep.send(peer_name, {}, request_id="drop", metadata={"drop_held": True})
+                await drop.wait()
+                await small.wait()
+                table.obstructed_s[size] = (alone, behind)
+    finally:
+        code = await anyio.to_thread.run_sync(peer.stop)
+        if code != 0:
+            raise RuntimeError(f"shm obstructed: the peer process exited with {code}")
+
+
+def plans(backends: Sequence[str]) -> list[tuple[str, str]]:
+    """(backend, mode) per table row group."""
+    out = []
+    for b in backends:
+        out.append((b, "copy"))
+        if b == "shm":
+            out.append((b, "zero-copy"))
+        if b in CROSS_HOST:
+            out.append((b, "lent"))
+    return out
+
+
+def steps(
+    backends: Sequence[str], sizes: Sequence[int], raw: bool, obstructed: Sequence[int]
+) -> int:
+    """Progress steps :func:`run_table` takes."""
+    ps = plans(backends)
+    n_raw = sum(1 for b, _ in ps if raw and b in rawbench.ENGINES)
+    n_obstructed = len(obstructed) if "shm" in backends else 0
+    return 2 * len(sizes) + n_raw + len(ps) * len(sizes) + n_obstructed
+
+
+async def run_table(
+    backends: Sequence[str],
+    sizes: Sequence[int],
+    iters: int,
+    raw_engines: bool,
+    obstructed: Sequence[int],
+    zmq: RawZmq | None,
+    results: Results,
+    step: Callable[[str], None],
+) -> Table:
+    """Measure the table into ``results.table``; a failing row group or baseline is
+    recorded in ``results.errors`` and the rest goes on."""
+    table = results.table = Table()
+    for size in sizes:
+        step(f"memcpy {fmt_size(size)}")
+        table.memcpy_gbps[size] = memcpy_gbps(size)
+    for size in sizes:
+        step(f"raw zmq.asyncio round trip {fmt_size(size)}")
+        if zmq is not None and size <= ZMQ_MAX:
+            try:
+                table.zmq_rtt_us[size] = await zmq_rtt_us(zmq, size, max(iters, 200))
+            except Exception as exc:
+                results.fail(f"table: raw zmq.asyncio round trip of {fmt_size(size)}", exc)
+    for backend, mode in plans(backends):
+        try:
+            await _bench_backend(
+                backend,
+                mode,
+                sizes,
+                iters,
+                results,
+                table,
+                step,
+                raw_engines and backend in rawbench.ENGINES,
+            )
+        except Exception as exc:
+            results.fail(f"table {backend} {mode}", exc)
+    if obstructed and "shm" in backends:
+        try:
+            await _bench_obstructed(obstructed, iters, table, step)
+        except Exception as exc:
+            results.fail("table shm obstructed", exc)
+    table.finish()
+    return table
