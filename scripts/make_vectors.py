@@ -36,9 +36,20 @@ OUT = ROOT / "specs" / "vectors"
 
 PID = 4242
 SHM_PREFIX = f"omniwire-{PID}-9b1f0c2d"  # omniwire-<pid>-<8..32 hex>
+SHM_PREFIX_ENCODER = "omniwire-4343-5a0e7c1b"
+RING_THINKER = f"omniwire-{PID}-3c9d5e7f0a1b2c4d"  # omniwire-<pid>-<16 hex>: a ring (§3.6)
+RING_ENCODER = "omniwire-4343-8e6f4a2b1c0d9e7f"
 HOST_ID = "4f1c2a3b-0000-4000-8000-000000000001/22"  # <boot id>/<st_dev of /dev/shm>
 TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 CURVE_SECRET = "omniwire test vector key"
+MOONCAKE_SESSION = "10.0.0.1:15002"
+MOONCAKE_POOL = (0x7F0000000000, 64 << 20)  # address, size
+NIXL_AGENT = f"ow-thinker-{PID}-0123456789ab"
+NIXL_POOL = (0x7F0000000000, 128 << 20)
+#: A lent object (§9.1): int32[6] at 0 and float32[1024] at 64, read in place from
+#: the caller's tensors. (at, address, length) per piece; the image is 4160 bytes.
+PIECES = ((0, 0x7F3000000040, 24), (64, 0x7F3000101000, 4096))
+PIECES_LENGTH = 4160
 
 
 class Span(msgspec.Struct):
@@ -51,10 +62,10 @@ class Span(msgspec.Struct):
 codec.register_type(Span, name="omniwire.vectors.Span")
 
 
-def _shm_hello() -> bytes:
+def _shm_hello(prefix: str = SHM_PREFIX) -> bytes:
     from omniwire.backends import shm
 
-    return msgspec.msgpack.encode(shm._HelloInfo(prefix=SHM_PREFIX))
+    return msgspec.msgpack.encode(shm._HelloInfo(prefix=prefix))
 
 
 def _shm_ref(segment: str, offset: int, size: int, dedicated: bool) -> bytes:
@@ -150,6 +161,29 @@ def messages() -> dict[str, wire.Message]:
             backends=(wire.BackendInfo(name="local"),),
             is_reply=True,
             to_endpoint="thinker",
+        ),
+        "hello_ring": msgspec.structs.replace(
+            hello,
+            features=("ring",),
+            backends=(wire.BackendInfo(name="shm", info=_shm_hello()),),
+            is_reply=True,
+            ring=RING_THINKER,
+        ),
+        "hello_ring_attached": msgspec.structs.replace(
+            hello,
+            endpoint="encoder",
+            pid=4343,
+            process_token="0c8b6a4e2d0c1f9b",
+            instance=42,
+            address="ipc:///tmp/omniwire/encoder",
+            abort_address="ipc:///tmp/omniwire/encoder.abort",
+            features=("ring",),
+            devices=(wire.DeviceInfo(kind="cpu"),),
+            backends=(wire.BackendInfo(name="shm", info=_shm_hello(SHM_PREFIX_ENCODER)),),
+            is_reply=True,
+            to_endpoint="thinker",
+            ring=RING_ENCODER,
+            ring_attached=RING_THINKER,
         ),
         "data_ready_ref": progressive,
         "data_ready_ref_dedicated": msgspec.structs.replace(
@@ -295,9 +329,20 @@ def blobs() -> dict[str, msgspec.Struct]:
         event=bytes(64),
         event_sync=True,
     )
-    agent = f"ow-thinker-{PID}-0123456789ab"
-    nixl_md = b"nixlSerDes|Agent" + len(agent).to_bytes(8, "little") + agent.encode() + b"|..."
-    pool = nixl.Region(addr=0x7F0000000000, length=128 << 20, dev=0, mem="DRAM")
+    nixl_md = _nixl_metadata(b"...")
+    pool = nixl.Region(addr=NIXL_POOL[0], length=NIXL_POOL[1], dev=0, mem="DRAM")
+    # Lent tensors (send(..., lend=True)): the packed image of PIECES read where the
+    # caller's tensors are, one piece per tensor.
+    lent = [
+        nixl.Lent(
+            nixl.Region(addr=0x7F3000000000, length=4096, dev=0, mem="DRAM"),
+            _nixl_metadata(b"lent-0..."),
+        ),
+        nixl.Lent(
+            nixl.Region(addr=0x7F3000100000, length=1 << 20, dev=0, mem="DRAM"),
+            _nixl_metadata(b"lent-1..."),
+        ),
+    ]
     return {
         "shm_hello": shm._HelloInfo(prefix=SHM_PREFIX),
         "shm_ref": shm._Ref(segment=f"{SHM_PREFIX}-0", offset=8192, size=128, dedicated=False),
@@ -324,13 +369,16 @@ def blobs() -> dict[str, msgspec.Struct]:
             event_id=5,
         ),
         "mooncake_hello": mooncake.HelloInfo(
-            session="10.0.0.1:15002", protocol="tcp", pool_addr=0x7F0000000000, pool_size=64 << 20
+            session=MOONCAKE_SESSION,
+            protocol="tcp",
+            pool_addr=MOONCAKE_POOL[0],
+            pool_size=MOONCAKE_POOL[1],
         ),
         "mooncake_ref": mooncake.Ref(session="10.0.0.1:15002", offset=4096, length=128),
         "mooncake_ref_dedicated": mooncake.Ref(
             session="10.0.0.1:15002", offset=0, length=128 << 20, dedicated=0x7F1000000000
         ),
-        "nixl_hello": nixl.HelloInfo(agent=agent, metadata=nixl_md, pools=[pool]),
+        "nixl_hello": nixl.HelloInfo(agent=NIXL_AGENT, metadata=nixl_md, pools=[pool]),
         "nixl_ref": nixl.Ref(pool=0, offset=4096, length=128),
         "nixl_ref_dedicated": nixl.Ref(
             pool=-1,
@@ -341,7 +389,47 @@ def blobs() -> dict[str, msgspec.Struct]:
         ),
         "nccl_hello": nccl.HelloInfo(host="10.0.0.1", port=29500, cuda=False),
         "nccl_ref": nccl.Ref(gen=0, tag=1, nbytes=128, device="cpu", ordered=False),
+        # -- lent tensors: a receiver announces that it reads pieces; a sender's pieces
+        "mooncake_hello_pieces": mooncake.PiecesHello(
+            session=MOONCAKE_SESSION,
+            protocol="tcp",
+            pool_addr=MOONCAKE_POOL[0],
+            pool_size=MOONCAKE_POOL[1],
+            pieces=True,
+        ),
+        "mooncake_ref_pieces": mooncake.PiecesRef(
+            session=MOONCAKE_SESSION,
+            offset=0,
+            length=PIECES_LENGTH,
+            pieces=[mooncake.Piece(at, addr, n) for at, addr, n in PIECES],
+        ),
+        "nixl_hello_pieces": nixl.PiecesHello(
+            agent=NIXL_AGENT, metadata=nixl_md, pools=[pool], pieces=True
+        ),
+        "nixl_ref_pieces": nixl.PiecesRef(
+            pool=-2,
+            offset=0,
+            length=PIECES_LENGTH,
+            lent=lent,
+            pieces=[nixl.Piece(at, addr, n, i) for i, (at, addr, n) in enumerate(PIECES)],
+        ),
+        "nccl_hello_pieces": nccl.PiecesHello(host="10.0.0.1", port=29500, cuda=False, pieces=True),
+        "nccl_ref_pieces": nccl.PiecesRef(
+            gen=0,
+            tag=2,
+            nbytes=PIECES_LENGTH,
+            device="cpu",
+            ordered=False,
+            pieces=[(at, n) for at, _, n in PIECES],
+        ),
     }
+
+
+def _nixl_metadata(tail: bytes) -> bytes:
+    """A stand-in for NIXL's metadata blob: its real head (``nixlSerDes|Agent``, the
+    name's length, the agent name, ``|``), then ``tail``."""
+    name = NIXL_AGENT.encode()
+    return b"nixlSerDes|Agent" + len(name).to_bytes(8, "little") + name + b"|" + tail
 
 
 def curve() -> dict[str, str]:
@@ -385,7 +473,10 @@ def compat() -> dict[str, tuple[bytes, wire.Message]]:
     abort10 = wire.AbortMessage(request_id="req-0", from_stage="encoder", reason="gone")
     ready10 = msgspec.structs.replace(msgs["data_ready_inline"], traceparent="")
     return {
-        "hello_1_0": (_frame(_without(hello10, "to_endpoint"), minor=0), hello10),
+        "hello_1_0": (
+            _frame(_without(hello10, "to_endpoint", "ring", "ring_attached"), minor=0),
+            hello10,
+        ),
         "data_ack_1_0": (_frame(_without(ack10, "reason"), minor=0), ack10),
         "abort_1_0": (_frame(_without(abort10, "origin"), minor=0), abort10),
         "data_ready_inline_1_0": (
@@ -810,6 +901,193 @@ def negatives() -> list[dict[str, Any]]:
             match="malformed shm reference",
             why="the array form of the 1.0 vector; the reference is a map",
         ),
+        *_piece_negatives(),
+    ]
+
+
+def _piece_negatives() -> list[dict[str, Any]]:
+    """References of lent tensors (§9.1) a receiver must refuse, each checked against
+    the Hello info ``blobs/<backend>_hello_pieces.bin`` for an object of ``length``
+    bytes. Each breaks one rule of the valid ``blobs/<backend>_ref_pieces.bin``."""
+    enc = msgspec.msgpack.encode
+    n = PIECES_LENGTH
+    (at0, addr0, n0), (at1, addr1, n1) = PIECES
+
+    def mooncake(pieces: list[list[int]], **fields: int) -> bytes:
+        ref = {"session": MOONCAKE_SESSION, "offset": 0, "length": n, "dedicated": 0}
+        return enc(ref | fields | {"pieces": pieces})
+
+    lent0 = [[0x7F3000000000, 4096, 0, "DRAM"], _nixl_metadata(b"lent-0...")]
+    lent1 = [[0x7F3000100000, 1 << 20, 0, "DRAM"], _nixl_metadata(b"lent-1...")]
+
+    def nixl(pieces: list[list[int]], lent: list[Any], **fields: Any) -> bytes:
+        ref = {"pool": -2, "offset": 0, "length": n, "region": None, "metadata": b""}
+        return enc(ref | fields | {"lent": lent, "pieces": pieces})
+
+    def nccl(pieces: list[list[int]], **fields: Any) -> bytes:
+        ref = {"gen": 0, "tag": 2, "nbytes": n, "device": "cpu", "ordered": False}
+        return enc(ref | fields | {"pieces": pieces})
+
+    bad_piece = "overlaps another or lies outside"
+    m, x, c = "mooncake.ref", "nixl.ref", "nccl.ref"
+    err = "BackendError"
+    return [
+        dict(
+            name="mooncake_pieces_overlap",
+            data=mooncake([[at0, addr0, 80], [at1, addr1, n1]]),
+            layer=m,
+            error=err,
+            length=n,
+            match=bad_piece,
+            why="the first piece [0, 80) overlaps the second [64, 4160)",
+        ),
+        dict(
+            name="mooncake_pieces_unsorted",
+            data=mooncake([[at1, addr1, n1], [at0, addr0, n0]]),
+            layer=m,
+            error=err,
+            length=n,
+            match=bad_piece,
+            why="pieces not sorted by their offset in the object",
+        ),
+        dict(
+            name="mooncake_piece_past_the_end",
+            data=mooncake([[at0, addr0, n0], [at1, addr1, n1 + 1]]),
+            layer=m,
+            error=err,
+            length=n,
+            match=bad_piece,
+            why="a piece ends at 4161, past the 4160-byte object",
+        ),
+        dict(
+            name="mooncake_piece_empty",
+            data=mooncake([[at0, addr0, 0], [at1, addr1, n1]]),
+            layer=m,
+            error=err,
+            length=n,
+            match=bad_piece,
+            why="a piece of length 0",
+        ),
+        dict(
+            name="mooncake_piece_in_the_pool",
+            data=mooncake([[at0, MOONCAKE_POOL[0] + 4096, n0], [at1, addr1, n1]]),
+            layer=m,
+            error=err,
+            length=n,
+            match="not memory of its own outside its pool",
+            why="a piece inside the sender's announced pool (only lent memory is read in place)",
+        ),
+        dict(
+            name="mooncake_pieces_with_offset",
+            data=mooncake([[at0, addr0, n0], [at1, addr1, n1]], offset=64),
+            layer=m,
+            error=err,
+            length=n,
+            match="mixes pieces with a pool offset",
+            why="pieces with a non-zero offset (offset and dedicated are 0 in the pieces form)",
+        ),
+        dict(
+            name="nixl_pieces_with_region",
+            data=nixl([[at0, addr0, n0, 0]], [lent0], region=lent0[0]),
+            layer=x,
+            error=err,
+            length=n,
+            match="mixes pieces with a pool or a region",
+            why="pool -2 with a dedicated region as well",
+        ),
+        dict(
+            name="nixl_pieces_none",
+            data=nixl([], [lent0]),
+            layer=x,
+            error=err,
+            length=n,
+            match="mixes pieces with a pool or a region",
+            why="pool -2 without a piece",
+        ),
+        dict(
+            name="nixl_piece_outside_its_region",
+            data=nixl([[at0, addr0, n0, 0], [at1, addr1, n1, 0]], [lent0, lent1]),
+            layer=x,
+            error=err,
+            length=n,
+            match="piece outside its region",
+            why="the second piece names region 0, which does not hold its bytes",
+        ),
+        dict(
+            name="nixl_piece_region_index",
+            data=nixl([[at0, addr0, n0, 0], [at1, addr1, n1, 2]], [lent0, lent1]),
+            layer=x,
+            error=err,
+            length=n,
+            match="names region 2 of 2",
+            why="a piece names a registration the reference does not carry",
+        ),
+        dict(
+            name="nixl_lent_region_in_the_pool",
+            data=nixl(
+                [[at0, NIXL_POOL[0] + 64, n0, 0]],
+                [[[NIXL_POOL[0], 4096, 0, "DRAM"], _nixl_metadata(b"lent-0...")]],
+            ),
+            layer=x,
+            error=err,
+            length=n,
+            match="region inside its own pool",
+            why="a lent registration that overlaps an announced pool",
+        ),
+        dict(
+            name="nixl_more_regions_than_pieces",
+            data=nixl([[at0, addr0, n0, 0]], [lent0, lent1]),
+            layer=x,
+            error=err,
+            length=n,
+            match="has 1 pieces, 2 regions",
+            why="more registrations than pieces",
+        ),
+        dict(
+            name="nixl_pieces_in_the_pool_form",
+            data=nixl([[at0, addr0, n0, 0]], [lent0], pool=0),
+            layer=x,
+            error=err,
+            length=n,
+            match="has pieces but names pool 0",
+            why="pieces with pool 0 (pieces need pool -2)",
+        ),
+        dict(
+            name="nixl_pool_minus_3",
+            data=nixl([[at0, addr0, n0, 0]], [lent0], pool=-3),
+            layer=x,
+            error=err,
+            length=n,
+            match="malformed nixl reference",
+            why="pool -3: no form has it",
+        ),
+        dict(
+            name="nccl_pieces_ordered",
+            data=nccl([[at0, n0], [at1, n1]], ordered=True),
+            layer=c,
+            error=err,
+            length=n,
+            match="pieces on the ordered channel",
+            why="pieces travel on the tagged channel only",
+        ),
+        dict(
+            name="nccl_pieces_tags_past_the_limit",
+            data=nccl([[at0, n0], [at1, n1]], tag=2**31 - 2),
+            layer=c,
+            error=err,
+            length=n,
+            match="has tag 2147483646",
+            why="two pieces from tag 2**31-2: the second tag would be 2**31-1",
+        ),
+        dict(
+            name="nccl_pieces_overlap",
+            data=nccl([[at0, 80], [at1, n1]]),
+            layer=c,
+            error=err,
+            length=n,
+            match=bad_piece,
+            why="the first piece overlaps the second",
+        ),
     ]
 
 
@@ -883,8 +1161,10 @@ def build() -> dict[str, bytes]:
             "about": "Frames and blobs a reader MUST reject (specs/wire-v1.md §12.3). "
             "layer: wire.decode (a whole frame), codec.loads (a payload header, with a "
             "table of `tensors` tensors), shm.import (an shm BackendRef.info from the peer of "
-            "vectors/hello.bin, for an object of `length` bytes). error: the class omniwire "
-            "raises; match: a regular expression its message matches.",
+            "vectors/hello.bin, for an object of `length` bytes), mooncake.ref / nixl.ref / "
+            "nccl.ref (a BackendRef.info from the peer whose Hello info is "
+            "blobs/<backend>_hello_pieces.bin, for an object of `length` bytes). error: the "
+            "class omniwire raises; match: a regular expression its message matches.",
             "vectors": manifest,
         }
     )

@@ -14,6 +14,7 @@ import mmap
 import os
 import re
 import secrets
+import struct
 import time
 from collections import deque
 from collections.abc import Callable
@@ -184,6 +185,104 @@ def read_segment(prefix: str, info: dict[str, Any], length: int) -> bytes:
         os.close(fd)
 
 
+# -- a same-host ring, the writer's end (§3.6) -------------------------------------------
+
+RING_NAME = re.compile(r"^omniwire-(\d+)-([0-9a-f]{16})$")
+RING_MAGIC = 0x0031474E4952574F  # b"OWRING1\0" as a little-endian word
+RING_HEADER = 4096
+W_MAGIC, W_VERSION, W_CAPACITY = 0, 1, 2
+W_TAIL, W_WANT, W_WRITER_PID, W_WRITER_CLOSED = 16, 17, 18, 19
+W_HEAD, W_SLEEPING, W_READER_CLOSED = 32, 33, 34
+
+
+class RingWriter:
+    """The writing end of a ring the peer created for our frames (§3.6), kept simple:
+    every frame is written whole (no fragments) and the reader's doorbell is rung
+    after every frame, which the spec allows (a spurious wake-up costs one empty pass)
+    and which needs no store-load fence. Words are 8-byte native stores through a
+    ``memoryview`` cast (single-copy atomic); x86-64 keeps stores in program order."""
+
+    def __init__(self, name: str, owner_pid: int) -> None:
+        m = RING_NAME.match(name)
+        if m is None or int(m.group(1)) != owner_pid:
+            raise ValueError(f"ring {name!r} is not a ring of process {owner_pid}")
+        self.name = name
+        fd = os.open(os.path.join(SHM_DIR, f"{name}-0"), os.O_RDWR)
+        try:
+            size = os.fstat(fd).st_size
+            if size < 2 * RING_HEADER:
+                raise ValueError(f"{name}: {size} bytes is too small for a ring")
+            self.map = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)  # the mapping stays
+        self.words = memoryview(self.map)[:RING_HEADER].cast("Q")
+        self.data = memoryview(self.map)[RING_HEADER:]
+        w = self.words
+        self.capacity = w[W_CAPACITY]
+        if (
+            w[W_MAGIC] != RING_MAGIC
+            or w[W_VERSION] != 1
+            or self.capacity & (self.capacity - 1)
+            or not 4096 <= self.capacity <= 1 << 31
+            or size != RING_HEADER + self.capacity
+        ):
+            raise ValueError(f"{name} is not a version-1 ring")
+        if w[W_WRITER_PID] or w[W_READER_CLOSED]:
+            raise ValueError(f"ring {name} has a writer already, or its reader closed it")
+        flags = os.O_RDWR | os.O_NONBLOCK
+        self.own_bell = os.open(os.path.join(SHM_DIR, f"{name}-2"), flags)
+        fcntl.flock(self.own_bell, fcntl.LOCK_EX | fcntl.LOCK_NB)  # we are its one writer
+        self.reader_bell = os.open(os.path.join(SHM_DIR, f"{name}-1"), flags)
+        try:  # the reader holds its doorbell's lock while it lives
+            fcntl.flock(self.reader_bell, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            pass
+        else:
+            raise ValueError(f"the reader of ring {name} is gone")
+        self.tail = w[W_TAIL]
+        w[W_WRITER_PID] = os.getpid()
+        self._ring()  # the reader may unlink the names now
+
+    def _ring(self) -> None:
+        try:
+            os.write(self.reader_bell, b"\0")
+        except BlockingIOError:
+            pass  # the FIFO is full: a wake-up is pending anyway
+
+    def send(self, frame: bytes, timeout: float = 10.0) -> None:
+        """One record (§3.6): ``<u32 length, u32 flags=0>``, the frame, padding to 8."""
+        size = 8 + (-(-len(frame) // 8) * 8)
+        if size > self.capacity:
+            raise ValueError("a frame larger than the ring needs fragments; not done here")
+        deadline = time.monotonic() + timeout
+        while self.capacity - (self.tail - self.words[W_HEAD]) < size:  # full: wait for room
+            if self.words[W_READER_CLOSED] or time.monotonic() > deadline:
+                raise Timeout(f"no room in ring {self.name}")
+            time.sleep(0.001)
+        mask = self.capacity - 1
+        pos = self.tail & mask
+        self.data[pos : pos + 8] = struct.pack("<II", len(frame), 0)
+        start = (pos + 8) & mask
+        first = min(len(frame), self.capacity - start)  # the frame may wrap, a header never
+        self.data[start : start + first] = frame[:first]
+        self.data[: len(frame) - first] = frame[first:]
+        self.tail += size
+        self.words[W_TAIL] = self.tail  # publish: after the bytes
+        self._ring()
+
+    def close(self) -> None:
+        """``writer_closed``, then a ring: the reader takes what is there, then ends."""
+        if self.map.closed:
+            return
+        self.words[W_WRITER_CLOSED] = 1
+        self._ring()
+        self.words.release()
+        self.data.release()
+        self.map.close()
+        os.close(self.own_bell)
+        os.close(self.reader_bell)
+
+
 # -- the peer ---------------------------------------------------------------------------
 
 
@@ -199,6 +298,7 @@ class ForeignPeer:
     address: str  # ipc://...
     instance: int = field(default_factory=lambda: secrets.randbits(63))
     process_token: str = field(default_factory=lambda: secrets.token_hex(8))
+    features: tuple[str, ...] = ()  # advertised in every Hello (§11.2)
     log: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -220,6 +320,7 @@ class ForeignPeer:
         self.poller.register(self.pull, zmq.POLLIN)
         self.poller.register(self.sub, zmq.POLLIN)
         self.batched: deque[Received] = deque()  # messages of a batch not yet returned
+        self.ring: RingWriter | None = None  # once attached, our frames go through it
 
     # -- messages (field order of §4) -------------------------------------------------
 
@@ -232,13 +333,15 @@ class ForeignPeer:
         wire_max: tuple[int, int] = VERSION,
         address: str | None = None,
         name: str | None = None,
+        features: tuple[str, ...] | None = None,
+        ring_attached: str = "",
     ) -> dict[str, Any]:
         return {
             "type": "hello",
             "endpoint": name or self.name,
             "wire_min": list(wire_min),
             "wire_max": list(wire_max),
-            "features": [],
+            "features": list(self.features if features is None else features),
             "host_id": host_id(),
             "hostname": "foreign",
             "pid": os.getpid(),
@@ -252,6 +355,8 @@ class ForeignPeer:
             ],
             "is_reply": is_reply,
             "to_endpoint": to_endpoint,
+            "ring": "",  # this peer offers no ring for the reference's frames (§3.6)
+            "ring_attached": ring_attached,
         }
 
     def data_ready(
@@ -362,11 +467,31 @@ class ForeignPeer:
         self.push.connect(address)
 
     def send(self, body: dict[str, Any], version: tuple[int, int] = VERSION) -> None:
+        """To the peer: by its ring once we attached to one (§3.6), else by ZeroMQ."""
         data = frame(body, version)
         wire_cddl.validate_frame(data)  # what we send follows the schema too
+        if self.ring is not None:
+            self.log.append(("sent (ring)", body))
+            self.ring.send(data)
+            return
         assert self.push is not None
         self.log.append(("sent", body))
         self.push.send(data)
+
+    def attach_ring(self) -> RingWriter:
+        """Attach to the ring the peer's latest Hello offers, then send the fence: a
+        Hello with ``ring_attached``, our last frame on ZeroMQ (§3.6)."""
+        assert self.peer is not None and self.peer["ring"]
+        writer = RingWriter(self.peer["ring"], self.peer["pid"])
+        self.send(
+            self.hello(
+                is_reply=True,
+                to_endpoint=self.peer["endpoint"],
+                ring_attached=writer.name,
+            )
+        )
+        self.ring = writer
+        return writer
 
     def publish(self, body: dict[str, Any], subscriber_timeout: float = 10.0) -> None:
         """Publish on the abort channel once a subscriber has joined (XPUB tells)."""
@@ -451,6 +576,8 @@ class ForeignPeer:
         )
 
     def close(self) -> None:
+        if self.ring is not None:
+            self.ring.close()
         for seg in self.segments.values():
             seg.close()
         self.segments.clear()

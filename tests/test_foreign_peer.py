@@ -275,6 +275,21 @@ def test_misaddressed_data_ready_is_nacked(reference: PeerProcess, foreign: Fore
     assert (nack["object_id"], nack["success"], nack["reason"]) == (4, False, "misaddressed")
 
 
+def test_misaddressed_inline_data_is_dropped(reference: PeerProcess, foreign: ForeignPeer) -> None:
+    """Misaddressed data without a DataRef has nothing to NACK: it is dropped, never
+    delivered (so the echo stage never echoes it)."""
+    foreign.handshake(REFERENCE, reference.address)
+    inline = foreign.inline([np.ones(2, dtype=np.uint8)], TensorIndex(0))
+    foreign.send(foreign.data_ready("req-misaddressed-inline", inline=inline, to_stage="nobody"))
+    foreign.send(foreign.data_ready("req-addressed", inline=inline))
+    foreign.expect(lambda b: b.get("request_id") == "req-addressed", WAIT, "the echo")
+    assert not [
+        b
+        for d, b in foreign.log
+        if b.get("request_id") == "req-misaddressed-inline" and d != "sent"
+    ]
+
+
 def test_unreadable_data_ref_is_nacked(reference: PeerProcess, foreign: ForeignPeer) -> None:
     """A reference to a segment that is not ours: refused with a reason, never read."""
     foreign.handshake(REFERENCE, reference.address)
@@ -286,6 +301,26 @@ def test_unreadable_data_ref_is_nacked(reference: PeerProcess, foreign: ForeignP
     nack = foreign.expect(lambda b: b["type"] == "data_ack", WAIT, "the NACK")
     assert (nack["object_id"], nack["success"]) == (5, False)
     assert nack["reason"] in ("malformed", "backend_error")
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="the reference NACKs a reference that fails its backend's checks 'backend_error', "
+    "not 'malformed' (spec §7.4, §9.1): endpoint/_receiver.py _take_object maps every "
+    "BackendError from import_ to backend_error; the backends raise BackendError for both",
+)
+def test_unreadable_data_ref_is_nacked_malformed(
+    reference: PeerProcess, foreign: ForeignPeer
+) -> None:
+    """A reference that fails validation is `malformed`, not a backend failure."""
+    foreign.handshake(REFERENCE, reference.address)
+    ref = foreign.shm_object(6, [np.zeros(8, dtype=np.uint8)], TensorIndex(0))
+    info = msgpack.unpackb(ref["ref"]["info"])
+    info["segment"] = "omniwire-1-00000000-0"
+    ref["ref"]["info"] = msgpack.packb(info)
+    foreign.send(foreign.data_ready("req-forged-2", data_ref=ref))
+    nack = foreign.expect(lambda b: b["type"] == "data_ack", WAIT, "the NACK")
+    assert (nack["object_id"], nack["success"], nack["reason"]) == (6, False, "malformed")
 
 
 # -- refusal (§2.6) ---------------------------------------------------------------------
@@ -402,3 +437,128 @@ def test_data_after_our_goodbye_starts_nothing(
         )
     )
     foreign.expect(lambda b: b.get("request_id") == "req-after-hello", WAIT, "the echo")
+
+
+# -- same-host rings (§2.8, optional) ---------------------------------------------------
+
+_RING_ENTRY = re.compile(r"^omniwire-(\d+)-[0-9a-f]{16}-[0-2]$")  # a ring's names (§3.6)
+
+
+def _ring_entries(pid: int) -> set[str]:
+    return {n for n in os.listdir("/dev/shm") if (m := _RING_ENTRY.match(n)) and int(m[1]) == pid}
+
+
+def test_a_peer_without_the_ring_feature_stays_on_zeromq(
+    reference: PeerProcess, foreign: ForeignPeer
+) -> None:
+    """The reference offers rings, but not to a peer that does not advertise "ring":
+    none of its Hellos names one, it creates none, and everything works over ZeroMQ."""
+    assert "ring" not in foreign.features
+    hello = foreign.handshake(REFERENCE, reference.address)
+    before = _ring_entries(hello["pid"])
+    assert "ring" in hello["features"]  # it could
+    foreign.own_hello(WAIT)
+    chunk = np.arange(4, dtype=np.int16)
+    foreign.send(foreign.data_ready("req-zmq", inline=foreign.inline([chunk], TensorIndex(0))))
+    echo = foreign.expect(lambda b: b.get("request_id") == "req-zmq", WAIT, "the inline echo")
+    body = echo["inline"]
+    assert np.array_equal(read_header(body["header"], unpack(body["data"], body["tensors"])), chunk)
+    big = np.arange(16 * 1024, dtype=np.float32)  # 64 KiB: through shm
+    foreign.send(
+        foreign.data_ready("req-zmq-shm", data_ref=foreign.shm_object(7, [big], TensorIndex(0)))
+    )
+    assert foreign.expect(lambda b: b["type"] == "data_ack", WAIT, "the ACK")["success"]
+    echo = foreign.seen(lambda b: b.get("request_id") == "req-zmq-shm", WAIT, "the shm echo")
+    assert np.array_equal(foreign.read_object(echo["data_ref"]), big)
+    foreign.send(foreign.ack(echo["data_ref"]["object_id"]))
+    hellos = _frames_of(foreign, "hello")
+    assert len(hellos) >= 2
+    assert all(h["ring"] == "" and h["ring_attached"] == "" for h in hellos)
+    assert _ring_entries(hello["pid"]) <= before  # no ring was made for us
+    assert not [d for d, _ in foreign.log if d.startswith("sent (ring)")]
+
+
+def test_a_foreign_ring_writer(reference: PeerProcess) -> None:
+    """A peer that advertises "ring" is offered one; it attaches as the writer, sends
+    the fence Hello on ZeroMQ and everything after through the ring: order holds across
+    the switch, the reader unlinks the ring's names, and a Goodbye closes cleanly."""
+    foreign = ForeignPeer("foreign-ring-writer", _address("foreign"), features=("ring",))
+    try:
+        foreign.handshake(REFERENCE, reference.address)
+        offer = foreign.seen(lambda b: b["type"] == "hello" and b["ring"], WAIT, "a ring offer")
+        ring, pid = offer["ring"], offer["pid"]
+        assert re.fullmatch(rf"omniwire-{pid}-[0-9a-f]{{16}}", ring)
+        for n in range(3):
+            mode = os.stat(f"/dev/shm/{ring}-{n}").st_mode
+            assert stat.S_IMODE(mode) == 0o600
+            assert stat.S_ISFIFO(mode) == (n > 0)
+
+        def chunk(i: int) -> dict[str, object]:
+            data = foreign.inline([np.full(2, i, dtype=np.int32)], TensorIndex(0))
+            return foreign.data_ready("req-ring", chunk_id=i, inline=data)
+
+        foreign.send(chunk(0))  # by ZeroMQ, before the fence
+        foreign.attach_ring()
+        for i in range(1, 4):
+            foreign.send(chunk(i))  # through the ring
+        foreign.send(foreign.data_ready("req-ring", chunk_id=4, is_done=True))
+        got = [
+            foreign.expect(
+                lambda b: b.get("request_id") == "req-ring", WAIT, f"echo {i} of the ring stream"
+            )
+            for i in range(5)
+        ]
+        assert [g["chunk_id"] for g in got] == [0, 1, 2, 3, 4] and got[4]["is_done"]
+        for g in got[:4]:
+            body = g["inline"]
+            assert unpack(body["data"], body["tensors"])[0].tolist() == [g["chunk_id"]] * 2
+        assert not _ring_entries(pid) & {f"{ring}-{n}" for n in range(3)}  # unlinked
+
+        big = np.arange(16 * 1024, dtype=np.float32)  # an object, announced through the ring
+        foreign.send(
+            foreign.data_ready(
+                "req-ring-shm", data_ref=foreign.shm_object(8, [big], TensorIndex(0))
+            )
+        )
+        ack = foreign.expect(lambda b: b["type"] == "data_ack", WAIT, "the ACK")
+        assert (ack["object_id"], ack["success"]) == (8, True)
+        echo = foreign.seen(lambda b: b.get("request_id") == "req-ring-shm", WAIT, "the echo")
+        assert np.array_equal(foreign.read_object(echo["data_ref"]), big)
+        foreign.send(foreign.ack(echo["data_ref"]["object_id"]))
+        sent = [(d, b) for d, b in foreign.log if d.startswith("sent")]
+        fence = next(i for i, (_, b) in enumerate(sent) if b.get("ring_attached"))
+        assert {d for d, _ in sent[: fence + 1]} == {"sent"}  # ZeroMQ up to the fence
+        assert {d for d, _ in sent[fence + 1 :]} == {"sent (ring)"}  # the ring after it
+        foreign.send(
+            {
+                "type": "goodbye",
+                "from_stage": foreign.name,
+                "instance": foreign.instance,
+                "reason": "",
+            }
+        )
+    finally:
+        foreign.close()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="the reference NACKs a stalled progressive object 'backend_error', not 'timeout' "
+    "(spec §5.2, §7.4): endpoint/_receiver.py _wait_ready raises BackendError, which "
+    "_take_object maps to backend_error",
+)
+def test_a_stalled_progressive_object_is_nacked_timeout(foreign: ForeignPeer) -> None:
+    """No progress on an announced object within the receiver's ack_timeout: NACK
+    "timeout" (§5.2, §7.4)."""
+    peer = PeerProcess(
+        "ref-impatient", _address("ref-impatient"), "--backends", "shm", "--ack-timeout", "1"
+    )
+    try:
+        foreign.handshake("ref-impatient", peer.address)
+        ref = foreign.shm_object(9, [np.zeros(1024, dtype=np.uint8)], TensorIndex(0), ready=0)
+        foreign.send(foreign.data_ready("req-stalled", data_ref=ref))
+        nack = foreign.expect(lambda b: b["type"] == "data_ack", WAIT, "the NACK")
+        assert (nack["object_id"], nack["success"]) == (9, False)
+        assert nack["reason"] == "timeout", nack
+    finally:
+        assert peer.stop() == 0, peer.output

@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import importlib.util
+import itertools
 import json
 import pathlib
 import re
@@ -97,6 +98,19 @@ def test_a_second_encoder_writes_the_same_bytes(path: pathlib.Path) -> None:
     assert prefix + msgpack.packb(plain, use_bin_type=True) == data
 
 
+def test_ring_hello_vectors() -> None:
+    """A ring offer names a ring of the offering process (§3.6); the fence Hello names
+    the peer's ring as attached and is a reply."""
+    offer = wire.decode((VECTORS / "hello_ring.bin").read_bytes())
+    fence = wire.decode((VECTORS / "hello_ring_attached.bin").read_bytes())
+    assert isinstance(offer, wire.HelloMessage) and isinstance(fence, wire.HelloMessage)
+    for hello in (offer, fence):
+        assert "ring" in hello.features
+        assert re.fullmatch(rf"omniwire-{hello.pid}-[0-9a-f]{{16}}", hello.ring)
+    assert fence.is_reply and fence.ring_attached == offer.ring
+    assert offer.ring_attached == ""
+
+
 def test_shm_reference_in_the_ref_vector_is_the_real_form() -> None:
     """ref.length is the end of the last tensor; the shm blob is the map omniwire
     writes, its segment under the Hello vector's prefix, size == length."""
@@ -142,18 +156,90 @@ def test_payload_header_vector() -> None:
 def _blob_rule(path: pathlib.Path) -> str:
     backend = next(b for b in wire_cddl.BLOB_RULES if path.stem.startswith(b))
     hello_rule, ref_rule = wire_cddl.BLOB_RULES[backend]
-    return hello_rule if path.stem.endswith("_hello") else ref_rule
+    return hello_rule if "_hello" in path.stem else ref_rule
+
+
+def test_every_engine_has_pieces_vectors() -> None:
+    stems = {p.stem for p in BLOB_FILES}
+    for backend in ("mooncake", "nixl", "nccl"):
+        assert {f"{backend}_hello_pieces", f"{backend}_ref_pieces"} <= stems
+
+
+def _peer_info(name: str, info: bytes) -> PeerInfo:
+    return PeerInfo(
+        name=name,
+        instance=1,
+        pid=4242,
+        host_id="h",
+        process_token="t",
+        locality=Locality.CROSS_HOST,
+        info=info,
+    )
+
+
+def _check_engine_ref(backend: str, hello_blob: bytes, ref: bytes, length: int) -> None:
+    """The receiver's check of an engine reference (§9.4–9.6) from the peer whose Hello
+    info is ``hello_blob``, for an object of ``length`` bytes.
+
+    Raises:
+        BackendError: the check refuses it.
+    """
+    blobs = _blob_module(backend)
+    peer = _peer_info("thinker", hello_blob)
+    if backend == "mooncake":
+        blobs.spans(ref, blobs.decode_hello(peer, "tcp"), length, peer.name)
+    elif backend == "nixl":
+        blobs.resolve(ref, blobs.decode_hello(peer).pools, length, peer.name)
+    else:
+        hello = blobs.decode_hello(peer)
+        blobs.decode_ref(ref, length, peer.name, hello.cuda)
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        p
+        for p in BLOB_FILES
+        if p.stem.split("_")[0] in ("mooncake", "nixl", "nccl") and "_ref" in p.stem
+    ],
+    ids=lambda p: p.stem,
+)
+def test_engine_reference_vectors_pass_the_receivers_check(path: pathlib.Path) -> None:
+    """Every engine reference vector is accepted by the receiving backend's own check,
+    against the Hello vector of its form (a pieces reference against the Hello that
+    says ``pieces``) and the length it names."""
+    backend = path.stem.split("_")[0]
+    hello = VECTORS / "blobs" / f"{backend}_hello{'_pieces' if 'pieces' in path.stem else ''}.bin"
+    plain = msgspec.msgpack.decode(path.read_bytes())
+    length = plain["nbytes"] if backend == "nccl" else plain["length"]
+    _check_engine_ref(backend, hello.read_bytes(), path.read_bytes(), length)
+    if "pieces" in path.stem:  # every piece lies inside the object, sorted, disjoint
+        pieces = [(p[0], p[-1] if backend == "nccl" else p[2]) for p in plain["pieces"]]
+        assert pieces == sorted(pieces)
+        assert all(a + n <= b for (a, n), (b, _) in itertools.pairwise(pieces))
+        assert pieces[-1][0] + pieces[-1][1] <= length
+
+
+def _blob_module(backend: str) -> Any:
+    import importlib
+
+    module = importlib.import_module(f"omniwire.backends.{backend}")
+    if hasattr(module, "__path__"):  # an engine package: its blobs are in _blobs
+        module = importlib.import_module(f"omniwire.backends.{backend}._blobs")
+    return module
 
 
 @pytest.mark.parametrize("path", BLOB_FILES, ids=lambda p: p.stem)
 def test_blob_vector_matches_its_backend_and_the_schema(path: pathlib.Path) -> None:
-    import importlib
-
+    """Each blob is what the backend's own struct writes (the documented 1.1 form, or,
+    for ``*_pieces``, the form with lent-tensor pieces, §9.1) and matches the CDDL."""
     backend = next(b for b in wire_cddl.BLOB_RULES if path.stem.startswith(b))
-    module = importlib.import_module(f"omniwire.backends.{backend}")
-    if hasattr(module, "__path__"):  # an engine package: its blobs are in _blobs
-        module = importlib.import_module(f"omniwire.backends.{backend}._blobs")
-    decoder = module._hello_decoder if path.stem.endswith("_hello") else module._ref_decoder
+    module = _blob_module(backend)
+    hello = "_hello" in path.stem
+    if path.stem.endswith("_pieces"):
+        decoder = module._pieces_hello_decoder if hello else module._pieces_ref_decoder
+    else:
+        decoder = module._hello_decoder if hello else module._ref_decoder
     data = path.read_bytes()
     assert msgspec.msgpack.encode(decoder.decode(data)) == data
     wire_cddl.validate(_blob_rule(path), data)
@@ -211,6 +297,10 @@ def _reject(entry: dict[str, Any]) -> None:
         codec.loads(data, [torch.zeros(1)] * entry["tensors"])
     elif entry["layer"] == "shm.import":
         _shm_open(data, entry["length"])
+    elif entry["layer"] in ("mooncake.ref", "nixl.ref", "nccl.ref"):
+        backend = entry["layer"].split(".")[0]
+        hello = (VECTORS / "blobs" / f"{backend}_hello_pieces.bin").read_bytes()
+        _check_engine_ref(backend, hello, data, entry["length"])
     else:
         raise AssertionError(f"unknown layer {entry['layer']!r}")
 
