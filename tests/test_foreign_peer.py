@@ -300,15 +300,9 @@ def test_unreadable_data_ref_is_nacked(reference: PeerProcess, foreign: ForeignP
     foreign.send(foreign.data_ready("req-forged", data_ref=ref))
     nack = foreign.expect(lambda b: b["type"] == "data_ack", WAIT, "the NACK")
     assert (nack["object_id"], nack["success"]) == (5, False)
-    assert nack["reason"] in ("malformed", "backend_error")
+    assert nack["reason"] == "malformed"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the reference NACKs a reference that fails its backend's checks 'backend_error', "
-    "not 'malformed' (spec §7.4, §9.1): endpoint/_receiver.py _take_object maps every "
-    "BackendError from import_ to backend_error; the backends raise BackendError for both",
-)
 def test_unreadable_data_ref_is_nacked_malformed(
     reference: PeerProcess, foreign: ForeignPeer
 ) -> None:
@@ -541,12 +535,6 @@ def test_a_foreign_ring_writer(reference: PeerProcess) -> None:
         foreign.close()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the reference NACKs a stalled progressive object 'backend_error', not 'timeout' "
-    "(spec §5.2, §7.4): endpoint/_receiver.py _wait_ready raises BackendError, which "
-    "_take_object maps to backend_error",
-)
 def test_a_stalled_progressive_object_is_nacked_timeout(foreign: ForeignPeer) -> None:
     """No progress on an announced object within the receiver's ack_timeout: NACK
     "timeout" (§5.2, §7.4)."""

@@ -239,11 +239,11 @@ async def test_protocol_violations_are_refused(tmp_path: Any) -> None:
             assert set(nacks) == {2, 3, 4, 5, 6, 7, 8, 9}
             assert all(not a.success and a.error for a in nacks.values())
             assert {oid: a.reason for oid, a in nacks.items()} == {
-                2: "backend_error",
-                3: "backend_error",
-                4: "backend_error",
-                5: "backend_error",
-                6: "backend_error",
+                2: "malformed",  # not one of its segments
+                3: "malformed",
+                4: "malformed",  # runs past the segment's end
+                5: "malformed",  # not msgpack
+                6: "backend_error",  # names no segment that exists
                 7: "unsupported",
                 8: "misaddressed",
                 9: "malformed",

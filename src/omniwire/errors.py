@@ -14,6 +14,7 @@ __all__ = [
     "BackendClosedError",
     "BackendError",
     "BackendUnavailableError",
+    "BadReferenceError",
     "ConfigurationError",
     "DrainTimeoutError",
     "EndpointClosedError",
@@ -74,6 +75,11 @@ class LocalProtocolError(ProtocolError):
 
 class BackendError(OmniwireError):
     """A data-plane backend failed to move bytes (engine error, bad reference)."""
+
+
+class BadReferenceError(BackendError):
+    """A peer's backend reference is malformed, names memory the peer does not own,
+    or lies outside it: the peer's fault (NACK reason ``malformed``), not the engine's."""
 
 
 class BackendUnavailableError(BackendError):

@@ -48,7 +48,7 @@ import msgspec
 import numpy as np
 import torch
 
-from ..errors import BackendClosedError, BackendError, ShmFullError
+from ..errors import BackendClosedError, BackendError, BadReferenceError, ShmFullError
 from ..hostinfo import pid_alive
 from .base import (
     Availability,
@@ -404,22 +404,24 @@ class ShmBackend(ByteBackend):
             raise BackendClosedError("shm backend is closed")
         prefix = self._prefixes.get(peer.key)
         if prefix is None:
-            raise BackendError(f"{peer.name!r} did not announce shm in its Hello")
+            raise BadReferenceError(f"{peer.name!r} did not announce shm in its Hello")
         r = decode_blob(_ref_decoder, ref, f"shm reference from {peer.name!r}")
         if not _NAME.match(r.segment) or not r.segment.startswith(prefix + "-"):
-            raise BackendError(
+            raise BadReferenceError(
                 f"shm reference from {peer.name!r} names segment {r.segment[:80]!r}, "
                 "which is not one of its own"
             )
         if r.size != nbytes or r.offset < 0:
-            raise BackendError(f"shm reference from {peer.name!r} has size {r.size} != {nbytes}")
+            raise BadReferenceError(
+                f"shm reference from {peer.name!r} has size {r.size} != {nbytes}"
+            )
         segments = self._mapped.setdefault(peer.key, {})
         seg = segments.get(r.segment)
         if seg is None:
             seg = await anyio.to_thread.run_sync(Segment.attach, r.segment, self.directory)
             segments[r.segment] = seg
         if r.offset + r.size > seg.size:
-            raise BackendError(
+            raise BadReferenceError(
                 f"shm reference from {peer.name!r} spans [{r.offset}, {r.offset + r.size}) "
                 f"outside segment {r.segment} of {seg.size} bytes"
             )

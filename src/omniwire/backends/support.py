@@ -22,7 +22,7 @@ import anyio
 import msgspec
 import torch
 
-from ..errors import BackendError
+from ..errors import BackendError, BadReferenceError
 from ..wire import MAX_TENSORS, align_up
 from .base import BackendBase, Export
 
@@ -70,18 +70,18 @@ def decode_blob(decoder: msgspec.msgpack.Decoder[T], data: bytes, what: str) -> 
     """Decode a peer's blob (Hello info, reference) with a typed decoder.
 
     Raises:
-        BackendError: ``malformed <what>: <why>``.
+        BadReferenceError: ``malformed <what>: <why>``.
     """
     try:
         return decoder.decode(data)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise BackendError(f"malformed {what}: {exc}") from None
+        raise BadReferenceError(f"malformed {what}: {exc}") from None
 
 
 def check_range(lo: int, hi: int, nbytes: int, what: str) -> None:
-    """Raises BackendError unless ``0 <= lo <= hi <= nbytes``."""
+    """Raises BadReferenceError unless ``0 <= lo <= hi <= nbytes``."""
     if not 0 <= lo <= hi <= nbytes:
-        raise BackendError(f"{what}: range [{lo}, {hi}) outside a {nbytes}-byte object")
+        raise BadReferenceError(f"{what}: range [{lo}, {hi}) outside a {nbytes}-byte object")
 
 
 def check_pieces(pieces: Sequence[tuple[int, int]], nbytes: int, where: str) -> None:
@@ -89,14 +89,14 @@ def check_pieces(pieces: Sequence[tuple[int, int]], nbytes: int, where: str) -> 
     overlapping, not empty, inside the object, at most MAX_TENSORS of them.
 
     Raises:
-        BackendError: one is not.
+        BadReferenceError: one is not.
     """
     if len(pieces) > MAX_TENSORS:
-        raise BackendError(f"{where} has {len(pieces)} pieces")
+        raise BadReferenceError(f"{where} has {len(pieces)} pieces")
     end = 0
     for at, length in pieces:
         if length <= 0 or at < end or at + length > nbytes:
-            raise BackendError(
+            raise BadReferenceError(
                 f"{where} has a piece [{at}, {at + length}) that is empty, overlaps "
                 f"another or lies outside the {nbytes}-byte object"
             )

@@ -213,14 +213,27 @@ class PeerTable:
                     "ring", "%s: cannot use %s's ring: %s", core.name, peer.name, exc
                 )
             else:
-                if peer.ring_writer is not None:
+                if peer.ring_writer is not None:  # a new ring in the same session
                     peer.ring_writer.close()
+                    peer.ring_writer = None  # the fence below still goes by ZeroMQ
                 peer.ring_attached = hello.ring
                 core.outbox.post(peer, hello_of(core, peer, reply=True, ring_attached=hello.ring))
                 core.outbox.switch_to_ring(peer, writer)
         reader = peer.ring_reader
         attached = reader is not None and hello.ring_attached == reader.name
         if attached and reader is not None and not peer.ring_reading:
+            if reader.writer_pid != hello.pid:  # someone else took it: stay on ZeroMQ
+                core.noisy.warning(
+                    "ring",
+                    "%s: the ring offered to %s was attached by pid %s, not %s; closed",
+                    core.name,
+                    peer.name,
+                    reader.writer_pid,
+                    hello.pid,
+                )
+                reader.close()
+                peer.ring_reader = None
+                return
             peer.ring_reading = True
             self._on_ring(peer, reader)
 
@@ -440,6 +453,9 @@ class PeerTable:
                 continue
             if peer.hello is not None and self._lost_if_dead(peer):
                 continue
+            ring = peer.ring_writer
+            if ring is not None and ring.closed and peer.down_since is None:
+                peer.down_since = now  # its reader closed: like a broken connection
             if peer.down_since is not None and now - peer.down_since > cfg.peer_timeout:
                 self.lose(peer, f"disconnected for more than {cfg.peer_timeout:g} s")
             elif self.core.outbox.waiting_for(peer.name, now) > cfg.peer_timeout:

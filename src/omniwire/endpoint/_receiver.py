@@ -26,6 +26,7 @@ from ..backends.base import THREAD_COPY_THRESHOLD, BackendBase, ObjectBackend
 from ..delivery import Delivery, DeliveryKind
 from ..errors import (
     BackendError,
+    BadReferenceError,
     OmniwireError,
     PeerLostError,
     WireFormatError,
@@ -297,8 +298,10 @@ class Receiver:
                 except BaseException:
                     self.budget.release(budget)
                     raise
-            except WireFormatError as exc:
+            except (WireFormatError, BadReferenceError) as exc:  # the peer's fault
                 failure = ("malformed", str(exc))
+            except _Stalled as exc:
+                failure = ("timeout", str(exc))
             except (OmniwireError, TypeError, ValueError, RuntimeError, OSError) as exc:
                 failure = ("backend_error", f"{type(exc).__name__}: {exc}")
             finally:
@@ -392,7 +395,7 @@ class Receiver:
             with anyio.move_on_after(timeout):
                 await record.progressed.wait()
             if record.ready <= done and not record.progressed.is_set():
-                raise BackendError(
+                raise _Stalled(
                     f"{peer.name!r} made no progress on object {record.object_id} for {timeout:g} s"
                 )
         return record.ready
@@ -534,6 +537,10 @@ class Receiver:
 
     def in_flight(self) -> dict[str, int]:
         return {p.name: len(p.session.inbound) for p in self.peers.all()}
+
+
+class _Stalled(OmniwireError):
+    """The sender of a progressive object announced no more of it in time."""
 
 
 def _rid(item: InRecord | wire.DataReadyMessage) -> str:
