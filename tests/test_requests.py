@@ -3,12 +3,7 @@
 
 from __future__ import annotations
 
-import os
 import random
-import secrets
-import tempfile
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from typing import Any
 
 import anyio
@@ -19,23 +14,9 @@ from omniwire import Delivery
 from omniwire.endpoint import DeliveryStream, Endpoint
 from omniwire.errors import EndpointClosedError, EndpointNotStartedError, OmniwireError
 
+from test_endpoint import addr, pair
+
 pytestmark = pytest.mark.asyncio
-
-
-def addr(name: str) -> str:
-    return f"ipc://{tempfile.gettempdir()}/owt-{os.getuid()}/{name}-{secrets.token_hex(3)}"
-
-
-@asynccontextmanager
-async def pair(**receiver_kw: Any) -> AsyncIterator[tuple[Endpoint, Endpoint]]:
-    """``a`` sends to ``b`` (``b`` has no ``peers=``); ``sender=`` kwargs go to ``a``."""
-    sender_kw = receiver_kw.pop("sender", {})
-    async with (
-        Endpoint("b", address=addr("b"), **receiver_kw) as b,
-        Endpoint("a", address=addr("a"), peers={"b": b.address}, **sender_kw) as a,
-    ):
-        await a.wait_peer("b", 10)
-        yield a, b
 
 
 async def test_concurrent_requests_each_in_its_own_task_keep_order_and_lose_nothing() -> None:

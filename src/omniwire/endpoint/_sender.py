@@ -80,9 +80,11 @@ class Sender:
             route = self.select(peer, payload_info(kind, enc.tensors, layout))
             if route.backend == INLINE.name and core.outbox.has_room(peer):
                 stats, chunk_id = self._account(peer, route, request_id, kind)
-                return self._inline_now(
-                    peer, enc, layout, request_id, kind, chunk_id, meta, stats, traceparent
+                msg = self._inline_message(
+                    peer, enc, layout, request_id, kind, chunk_id, meta, traceparent
                 )
+                core.outbox.post(peer, msg)  # room in its queue: nothing to wait for
+                return _carried_inline(peer, request_id, layout, stats)
         with core.aborts.guard(request_id, target):
             peer = await self.peers.wait_ready(target, core.config.handshake_timeout)
             layout = packing.plan(enc.tensors, enc.paths)
@@ -108,10 +110,12 @@ class Sender:
         """Send an encoded payload to a ready peer on its route (also one target of a
         fan-out, which passes the ``shared`` export it packed once)."""
         stats, chunk_id = self._account(peer, route, request_id, kind)
-        if route.backend == INLINE.name:
-            return await self._send_inline(
-                peer, enc, layout, request_id, kind, chunk_id, meta, stats, traceparent
+        if route.backend == INLINE.name:  # may wait for room in the peer's queue
+            msg = self._inline_message(
+                peer, enc, layout, request_id, kind, chunk_id, meta, traceparent
             )
+            await self.core.outbox.send(peer, msg, self.core.config.ack_timeout)
+            return _carried_inline(peer, request_id, layout, stats)
         return await self._send_object(
             peer,
             route,
@@ -215,40 +219,6 @@ class Sender:
         return stats
 
     # -- inline ------------------------------------------------------------------------
-
-    async def _send_inline(
-        self,
-        peer: Peer,
-        enc: codec.Encoded,
-        layout: packing.PackPlan,
-        request_id: str,
-        kind: Kind,
-        chunk_id: int,
-        meta: bytes,
-        stats: RouteStats,
-        traceparent: str,
-    ) -> SendReceipt:
-        """An inline send that may have to wait for room in the peer's queue."""
-        msg = self._inline_message(peer, enc, layout, request_id, kind, chunk_id, meta, traceparent)
-        await self.core.outbox.send(peer, msg, self.core.config.ack_timeout)
-        return _carried_inline(peer, request_id, layout, stats)
-
-    def _inline_now(
-        self,
-        peer: Peer,
-        enc: codec.Encoded,
-        layout: packing.PackPlan,
-        request_id: str,
-        kind: Kind,
-        chunk_id: int,
-        meta: bytes,
-        stats: RouteStats,
-        traceparent: str,
-    ) -> SendReceipt:
-        """An inline send with room in the peer's queue: posted, done (no ACK follows)."""
-        msg = self._inline_message(peer, enc, layout, request_id, kind, chunk_id, meta, traceparent)
-        self.core.outbox.post(peer, msg)
-        return _carried_inline(peer, request_id, layout, stats)
 
     def _inline_message(
         self,
