@@ -164,6 +164,24 @@ async def test_abort_from_the_sender_reaches_the_receiver() -> None:
         assert (d.request_id, d.from_stage, d.error) == ("r1", "a", "cancelled")
 
 
+async def test_abort_at_the_receiver_reaches_its_sender_without_the_broadcast() -> None:
+    """A sender has seen the request: the abort goes to it on the link, not only by
+    PUB/SUB (whose subscription may not be up yet: a late joiner misses it)."""
+    async with pair(sender={"routes": {"b": "shm"}}) as (a, b):
+        await a.stream("b", torch.ones(4), request_id="r1")
+        assert (await b.receive(timeout=10)).kind == "stream_chunk"
+
+        async def lost(frame: bytes) -> None:  # the broadcast reaches nobody
+            return None
+
+        b._core.control.publish = lost  # type: ignore[method-assign]
+        await b.abort("r1", "client went away")
+        d = await a.receive(timeout=10)
+        assert (d.kind, d.request_id, d.from_stage) == ("aborted", "r1", "b")
+        with pytest.raises(RequestAbortedError):
+            await a.stream("b", torch.ones(2), request_id="r1")
+
+
 async def test_slow_receiver_backpressure_bounds_memory_and_drops_nothing() -> None:
     n, size = 24, 1 << 20
     async with pair(receive_buffer=2, sender={"routes": {"b": "shm"}, "max_inflight": 3}) as (a, b):

@@ -6,9 +6,14 @@ module        what it does
 _facade       :class:`Endpoint`: configuration, lifecycle, the public API
 _config       checks every option at construction
 _peers        the peer table: Hello, refusals, liveness, loss, Goodbye
-_sender       send/stream/end_stream: encode → route → credit → pack → announce
+_handshake    Hello building and checking, refusals, what a peer's Hello offers
+_rings        a same-host peer's control ring: offer, attach, start reading
+_sender       send/stream/end_stream: encode → route → credit → export → announce
+_exporting    an object's bytes for its backend: lent in place, or packed (in pieces)
+_targets      one target or several (a fan-out), inside the observer's span
 _fanout       one payload to several targets: encoded once, packed once (shared refs)
-_receiver     the take path (import → fetch → deliver → ACK)
+_receiver     the take path (read → deliver → ACK) and the one release path
+_reading      reading an announced object: import, fetch as announced, rebuild
 _deliveries   the delivery queue: scoped/unscoped consumers, holds, receive budget
 _receiving    the receiving half of the public API (receive, deliveries, requests)
 _lifecycle    start, cancel-safe close, housekeeping
@@ -17,6 +22,7 @@ _outbox       frames out: the one way a frame leaves, in order per peer
 _aborts       aborted requests, send guards, forwarding down the pipeline
 _records      one record per peer and per object in flight, per side
 _supervisor   background tasks, outside the caller's cancel scopes
+_core         what the parts share: identity, configuration, sockets, counters
 _stats        route statistics, counters, bounded logging
 ============  ===================================================================
 """

@@ -40,12 +40,12 @@ class SendGuard:
 
 
 class Aborts:
-    """Aborted request ids, live send guards, and the peers each request went to."""
+    """Aborted request ids, live send guards, and the peers that saw each request."""
 
     def __init__(self, memory: int = ABORT_MEMORY) -> None:
         self.memory = memory
         self._aborted: OrderedDict[str, str] = OrderedDict()  # request id -> origin
-        self._sent_to: OrderedDict[str, set[str]] = OrderedDict()
+        self._peers_of: OrderedDict[str, set[str]] = OrderedDict()
         self._guards: dict[str, set[SendGuard]] = {}
 
     # -- guards ------------------------------------------------------------------
@@ -98,15 +98,16 @@ class Aborts:
             self._aborted.popitem(last=False)
         return first
 
-    def note_sent(self, request_id: str, peer: str) -> None:
-        """``peer`` was sent data of ``request_id`` (an abort of it must reach it)."""
-        peers = self._sent_to.get(request_id)
+    def note_peer(self, request_id: str, peer: str) -> None:
+        """``peer`` has seen ``request_id``: we sent it data of it, or it sent us some.
+        An abort of the request must reach it (spec §7.5)."""
+        peers = self._peers_of.get(request_id)
         if peers is None:
-            peers = self._sent_to[request_id] = set()
-            while len(self._sent_to) > self.memory:
-                self._sent_to.popitem(last=False)
+            peers = self._peers_of[request_id] = set()
+            while len(self._peers_of) > self.memory:
+                self._peers_of.popitem(last=False)
         peers.add(peer)
 
-    def sent_to(self, request_id: str) -> set[str]:
-        """The peers this endpoint sent data of ``request_id`` to (forgotten after)."""
-        return self._sent_to.pop(request_id, set())
+    def peers_of(self, request_id: str) -> set[str]:
+        """The peers that have seen ``request_id`` through this endpoint (forgotten after)."""
+        return self._peers_of.pop(request_id, set())

@@ -5,12 +5,13 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
+import secrets
 from dataclasses import dataclass, field
 
-from .. import wire
+from .. import hostinfo, wire
 from .._ratelimit import RateLimitedLog
 from ..backends.base import BackendBase
-from ..control import ControlPlane
+from ..control import ControlPlane, CurveKey
 from ..errors import EndpointClosedError, EndpointNotStartedError
 from ..observe import Observer
 from ._aborts import Aborts
@@ -52,6 +53,32 @@ class Core:
     noisy: RateLimitedLog = field(default_factory=lambda: RateLimitedLog(log, interval=10.0))
     #: Told of sends, credit waits and deliveries; None (the default) costs nothing.
     observer: Observer | None = None
+
+    @classmethod
+    def assemble(
+        cls, config: EndpointConfig, key: str | bytes | None, observer: Observer | None
+    ) -> Core:
+        """The state of a new endpoint: its control plane (CURVE when ``key`` is set),
+        supervisor, outbox and counters."""
+        counters = Counters()
+        supervisor = Supervisor(config.name, counters)
+        control = ControlPlane(
+            config.address,
+            key=CurveKey.from_shared_secret(key) if key else None,
+            heartbeat_interval=config.heartbeat_interval,
+            heartbeat_timeout=3 * config.heartbeat_interval,
+        )
+        return cls(
+            config=config,
+            instance=secrets.randbits(63),
+            host_id=config.host_id or hostinfo.host_id(),
+            devices=hostinfo.local_devices(),
+            control=control,
+            supervisor=supervisor,
+            outbox=Outbox(control, supervisor),
+            counters=counters,
+            observer=observer,
+        )
 
     @property
     def name(self) -> str:

@@ -187,7 +187,7 @@ class Dispatcher:
         )
         if via is None:
             core.supervisor.spawn(core.control.publish, wire.encode(msg))
-        for name in core.aborts.sent_to(request_id):
+        for name in core.aborts.peers_of(request_id):
             peer = self.peers.get(name)
             if peer is None or name == via or peer.status.value != "ready":
                 continue

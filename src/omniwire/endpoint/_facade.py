@@ -17,36 +17,31 @@ from __future__ import annotations
 
 import contextlib
 import os
-import secrets
-from collections.abc import Awaitable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from types import TracebackType
 from typing import Any, overload
 
-from .. import hostinfo
 from ..backends.base import BackendBase
-from ..control import ControlPlane, CurveKey, parse_address
+from ..control import parse_address
 from ..delivery import SendReceipt
 from ..errors import (
     ConfigurationError,
     OmniwireError,
 )
 from ..observe import Observer, as_observer
-from ..observe._observer import observed
 from ..ring import RingReader
 from ..routing import Route, RoutingPolicy
 from ._config import EndpointConfig
 from ._core import Core, State
 from ._dispatch import Dispatcher
-from ._fanout import FanOut
 from ._lifecycle import Lifecycle
-from ._outbox import Outbox
 from ._peers import PeerTable
 from ._receiver import Receiver
 from ._receiving import Receiving
 from ._records import InRecord, OutRecord, Peer
 from ._sender import Kind, Sender
-from ._stats import Counters, RouteStats
-from ._supervisor import Supervisor
+from ._stats import RouteStats
+from ._targets import Targets
 
 __all__ = ["Endpoint"]
 
@@ -161,37 +156,19 @@ class Endpoint(Receiving):
             control_ring=control_ring,
         )
         key = auth_key if auth_key is not None else os.environ.get("OMNIWIRE_AUTH_KEY") or None
-        counters: Counters = Counters()
-        supervisor = Supervisor(name, counters)
-        control = ControlPlane(
-            cfg.address,
-            key=CurveKey.from_shared_secret(key) if key else None,
-            heartbeat_interval=heartbeat_interval,
-            heartbeat_timeout=3 * heartbeat_interval,
-        )
-        self._core = core = Core(
-            config=cfg,
-            instance=secrets.randbits(63),
-            host_id=host_id or hostinfo.host_id(),
-            devices=hostinfo.local_devices(),
-            control=control,
-            supervisor=supervisor,
-            outbox=Outbox(control, supervisor),
-            counters=counters,
-            observer=as_observer(observer),
-        )
+        self._core = core = Core.assemble(cfg, key, as_observer(observer))
         self._peers = PeerTable(core, self._on_ready, self._on_gone, self._on_ring)
         trace = os.environ.get("OMNIWIRE_TRACE", "") not in ("", "0")
         self._sender = Sender(core, self._peers, trace)
         self._receiver = Receiver(core, self._peers)
         self._receiver.deliveries.replier = self
-        self._fanout = FanOut(self._sender)
+        self._targets = Targets(self._sender)
         self._dispatch = Dispatcher(core, self._peers, self._sender, self._receiver)
         self._life = Lifecycle(
             self, core, self._peers, self._sender, self._receiver, self._dispatch
         )
         #: Named event counts (frames, refusals, peers lost, ...); a missing name reads 0.
-        self.counters = counters
+        self.counters = core.counters
 
     # -- properties -------------------------------------------------------------------
 
@@ -351,7 +328,7 @@ class Endpoint(Receiving):
         """
         if self._core.observer is None and isinstance(target, str):
             return await self._sender.send(target, payload, request_id, "payload", metadata, lend)
-        return await self._send("payload", target, payload, request_id, metadata, lend)
+        return await self._targets.send("payload", target, payload, request_id, metadata, lend)
 
     @overload
     async def stream(
@@ -376,7 +353,7 @@ class Endpoint(Receiving):
             return await self._sender.send(
                 target, chunk, request_id, "stream_chunk", metadata, False
             )
-        return await self._send("stream_chunk", target, chunk, request_id, metadata, False)
+        return await self._targets.send("stream_chunk", target, chunk, request_id, metadata, False)
 
     async def end_stream(
         self,
@@ -392,39 +369,7 @@ class Endpoint(Receiving):
         Raises: HandshakeError, PeerLostError (``PeerUnresponsiveError`` when the frame
         is not taken within ``ack_timeout``), RequestAbortedError, EndpointClosedError.
         """
-
-        def call(traceparent: str) -> Awaitable[None]:
-            if isinstance(target, str):
-                return self._sender.end_stream(target, request_id, error, metadata, traceparent)
-            return self._fanout.end_stream(target, request_id, error, metadata, traceparent)
-
-        observer = self._core.observer
-        if observer is None:
-            return await call("")
-        await observed(observer, self.name, _names(target), request_id, "stream_end", call)
-
-    async def _send(
-        self,
-        kind: Kind,
-        target: str | Sequence[str],
-        payload: Any,
-        request_id: str,
-        metadata: Any,
-        lend: bool,
-    ) -> SendReceipt | list[SendReceipt]:
-        """A fan-out, or any send under an observer."""
-
-        def call(traceparent: str) -> Awaitable[SendReceipt | list[SendReceipt]]:
-            if isinstance(target, str):
-                return self._sender.send(
-                    target, payload, request_id, kind, metadata, lend, traceparent
-                )
-            return self._fanout.send(target, payload, request_id, kind, metadata, lend, traceparent)
-
-        observer = self._core.observer
-        if observer is None:
-            return await call("")
-        return await observed(observer, self.name, _names(target), request_id, kind, call)
+        await self._targets.end_stream(target, request_id, error, metadata)
 
     def route(self, target: str, payload: Any, kind: Kind = "payload") -> Route:
         """The route ``payload`` would take to ``target`` now, with the reasons.
@@ -438,8 +383,8 @@ class Endpoint(Receiving):
     async def abort(self, request_id: str, reason: str = "") -> None:
         """Abort ``request_id`` everywhere: pending sends fail wherever they wait,
         in-flight buffers are released on both sides, data of it that arrives later
-        is refused, and every peer that was sent data of it hears of it (and passes
-        it on down the pipeline)."""
+        is refused, and every peer that has seen it here — sent data of it, or sent us
+        some — hears of it directly and passes it on through the pipeline."""
         self._core.check_open()
         self._dispatch.abort(request_id, self.name, reason, via=None)
 
@@ -487,7 +432,3 @@ class Endpoint(Receiving):
 
     def _on_ring(self, peer: Peer, reader: RingReader) -> None:
         self._dispatch.start_ring(peer, reader, peer.generation)
-
-
-def _names(target: str | Sequence[str]) -> tuple[str, ...]:
-    return (target,) if isinstance(target, str) else tuple(target)

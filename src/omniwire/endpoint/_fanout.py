@@ -22,8 +22,9 @@ from ..backends.base import ByteBackend
 from ..delivery import SendReceipt
 from ..errors import RequestAbortedError
 from ..routing import Route
+from ._exporting import export_bytes
 from ._records import Peer, SharedExport
-from ._sender import Kind, Sender, _pack, payload_info
+from ._sender import Kind, Sender, payload_info
 
 __all__ = ["FanOut", "check_targets"]
 
@@ -151,14 +152,5 @@ class FanOut:
         backend = self.sender.core.backends[route.backend]
         assert isinstance(backend, ByteBackend)
         info = self.sender.peers.connected_backend(peer, route.backend)
-        export = await backend.export_tensors(info, enc.tensors, lent=lend)
-        if export is None:
-            device = next((str(t.device) for t in enc.tensors if t.device.type != "cpu"), "cpu")
-            export = await backend.export(info, layout.nbytes, device)
-            try:
-                assert export.buffer is not None
-                await _pack(export.buffer, enc.tensors, layout, 0, layout.nbytes)
-            except BaseException:
-                export.release()
-                raise
+        export, _ = await export_bytes(backend, info, enc.tensors, layout, lend=lend)
         return SharedExport(export)

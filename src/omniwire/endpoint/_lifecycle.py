@@ -145,7 +145,7 @@ class Lifecycle:
                     except Exception:
                         log.exception("closing backend %s of %s", backend.name, core.name)
             await core.control.aclose()
-            self._receiver.pool.clear()
+            self._receiver.reader.close()
             core.state = State.CLOSED
             self._closed.set()
             if core.observer is not None:

@@ -42,11 +42,12 @@ from ..errors import (
     RemoteProtocolError,
 )
 from ..flow import Credits
-from ..ring import RingError, RingReader, RingWriter
+from ..ring import RingReader
 from ..routing import INLINE, INLINE_ANY, Candidate, Edge
-from ._core import Core, State
+from ._core import Core
 from ._handshake import check_hello, hello_of, locality_of, peer_infos, refusal_error, refuse
 from ._records import InRecord, OutRecord, Peer, PeerStatus
+from ._rings import attach_ring, offer_ring
 
 __all__ = ["PeerTable"]
 
@@ -169,73 +170,12 @@ class PeerTable:
         if peer.address is None or not peer.configured:
             peer.address = str(parse_address(hello.address))
         self._connect(peer)
-        offered = self._offer_ring(peer, hello)
+        offered = offer_ring(self.core, peer, hello)
         if not hello.is_reply or offered:
             self.core.outbox.post(peer, hello_of(self.core, peer, reply=True))
-        self._attach_ring(peer, hello)
+        attach_ring(self.core, peer, hello, self._on_ring)
         if outcome is not wire.HelloOutcome.DUPLICATE:
             self.core.supervisor.spawn(self._complete, peer, hello, peer.generation)
-
-    # -- the same-host control ring (spec §3.6) ------------------------------------------
-
-    def _ring_ok(self, hello: wire.HelloMessage) -> bool:
-        core = self.core
-        return (
-            core.config.control_ring
-            and hello.host_id == core.host_id
-            and "ring" in hello.features
-            and core.state is State.OPEN
-        )
-
-    def _offer_ring(self, peer: Peer, hello: wire.HelloMessage) -> bool:
-        """Create a ring for the peer's frames (offered in our Hellos); True if new."""
-        if peer.ring_reader is not None or not self._ring_ok(hello):
-            return False
-        try:
-            peer.ring_reader = RingReader.create()
-        except (RingError, OSError) as exc:
-            self.core.noisy.warning(
-                "ring", "%s: no ring for %s: %s", self.core.name, peer.name, exc
-            )
-            return False
-        return True
-
-    def _attach_ring(self, peer: Peer, hello: wire.HelloMessage) -> None:
-        """Attach to the ring the peer offers; the next Hello (on ZeroMQ) says so, and
-        every frame after it goes through the ring. Start reading ours once the peer
-        said it attached (everything it sent by ZeroMQ before has been read then)."""
-        core = self.core
-        if hello.ring and hello.ring != peer.ring_attached and self._ring_ok(hello):
-            try:
-                writer = RingWriter.attach(hello.ring, owner_pid=hello.pid)
-            except (RingError, OSError) as exc:
-                core.noisy.warning(
-                    "ring", "%s: cannot use %s's ring: %s", core.name, peer.name, exc
-                )
-            else:
-                if peer.ring_writer is not None:  # a new ring in the same session
-                    peer.ring_writer.close()
-                    peer.ring_writer = None  # the fence below still goes by ZeroMQ
-                peer.ring_attached = hello.ring
-                core.outbox.post(peer, hello_of(core, peer, reply=True, ring_attached=hello.ring))
-                core.outbox.switch_to_ring(peer, writer)
-        reader = peer.ring_reader
-        attached = reader is not None and hello.ring_attached == reader.name
-        if attached and reader is not None and not peer.ring_reading:
-            if reader.writer_pid != hello.pid:  # someone else took it: stay on ZeroMQ
-                core.noisy.warning(
-                    "ring",
-                    "%s: the ring offered to %s was attached by pid %s, not %s; closed",
-                    core.name,
-                    peer.name,
-                    reader.writer_pid,
-                    hello.pid,
-                )
-                reader.close()
-                peer.ring_reader = None
-                return
-            peer.ring_reading = True
-            self._on_ring(peer, reader)
 
     def on_refusal(self, msg: wire.RefusalMessage) -> None:
         """A peer refused us: fail the waiters of the peer it concerns, at once."""

@@ -2,9 +2,8 @@
 
 A DataReady becomes an :class:`~._records.InRecord` in its peer's inbox (data-less
 messages — inline chunks, stream ends, errors — queue as they are, so order
-holds). Items are taken in order by :meth:`Receiver.take`: import the reference,
-fetch the bytes (waiting for progress of a progressive object), rebuild the
-payload, hand a :class:`~omniwire.delivery.Delivery` to the application, ACK. The
+holds). Items are taken in order by :meth:`Receiver.take`: read the object
+(:mod:`._reading`: import, fetch as announced, rebuild), hand a :class:`~omniwire.delivery.Delivery` to the application, ACK. The
 receive loop takes an item itself when nothing of it can wait (a small object
 in mapped memory); otherwise a worker task drains the peer's inbox.
 :meth:`Receiver.finish` is the one way an inbound object ends: import closed,
@@ -13,28 +12,23 @@ session entry removed, ACK or NACK (with its reason) posted once.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 from typing import Any
 
 import anyio
-import torch
 
 from .. import codec, packing, wire
-from ..backends.base import THREAD_COPY_THRESHOLD, BackendBase, ObjectBackend
+from ..backends.base import ObjectBackend
 from ..delivery import Delivery, DeliveryKind
 from ..errors import (
-    BackendError,
-    BadReferenceError,
-    OmniwireError,
     PeerLostError,
     WireFormatError,
 )
-from ..recvpool import RecvPool
 from ._core import Core
 from ._deliveries import Deliveries
 from ._peers import PeerTable
+from ._reading import ObjectReader, nack_of
 from ._records import InRecord, Peer, PeerStatus
 
 __all__ = ["Receiver"]
@@ -51,7 +45,7 @@ class Receiver:
         cfg = core.config
         self.deliveries = Deliveries(core)
         self.budget = self.deliveries.budget
-        self.pool = RecvPool()
+        self.reader = ObjectReader(core)
         self._inbox_limit = 4 * cfg.max_inflight + cfg.receive_buffer
 
     # -- frames in ---------------------------------------------------------------------
@@ -73,6 +67,7 @@ class Receiver:
                 generation=peer.generation,
             )
         peer.session.on_data_ready(msg, record)  # RemoteProtocolError: nothing changed
+        core.aborts.note_peer(msg.request_id, peer.name)  # an abort of it must reach peer
         if core.aborts.is_aborted(msg.request_id):
             if record is not None:
                 self.refuse(peer, record, "aborted", "request aborted")
@@ -114,26 +109,16 @@ class Receiver:
                 peer.busy = False
         if not inbox:
             return False
-        if len(inbox) == 1 and self._fits_now(inbox[0]):
+        head = inbox[0]
+        if len(inbox) == 1 and (
+            not isinstance(head, InRecord)
+            or self.reader.fits_now(
+                head, self.budget.would_admit(0 if self.core.config.zero_copy else head.length)
+            )
+        ):
             return True
         self.start_worker(peer)
         return False
-
-    def _fits_now(self, head: InRecord | wire.DataReadyMessage) -> bool:
-        """Whether taking ``head`` cannot wait on I/O: a small, fully announced object
-        in mapped memory (or an in-process object), with room in the receive budget."""
-        if isinstance(head, wire.DataReadyMessage):
-            return True
-        backend = self.core.backends.get(head.ref.backend)
-        caps = type(backend).capabilities if backend is not None else None
-        return (
-            caps is not None
-            and (isinstance(backend, ObjectBackend) or caps.mapped)
-            and head.ready == head.length
-            and head.ref.layout != "per_tensor"
-            and head.length < THREAD_COPY_THRESHOLD
-            and self.budget.would_admit(0 if self.core.config.zero_copy else head.length)
-        )
 
     def start_worker(self, peer: Peer) -> None:
         if not peer.worker and not peer.busy and peer.inbox:
@@ -175,7 +160,7 @@ class Receiver:
             return
         msg = item.msg
         if item.refusal is not None:
-            await self._consume(peer, item)
+            await self.reader.consume(peer, item)
             self.finish(peer, item, *item.refusal)
             return
         if self.core.aborts.is_aborted(msg.request_id):
@@ -196,17 +181,7 @@ class Receiver:
             return
         if msg.error is not None:
             peer.open_streams.pop(msg.request_id, None)
-            self._deliver(
-                Delivery(
-                    "error",
-                    msg.request_id,
-                    peer.name,
-                    msg.chunk_id,
-                    metadata=metadata,
-                    error=msg.error,
-                    traceparent=msg.traceparent,
-                )
-            )
+            self._deliver(_error(peer, msg, msg.error, metadata))
         elif msg.inline is not None:
             self._take_inline(peer, msg, msg.inline, metadata)
         self._ended(peer, msg, metadata)
@@ -223,9 +198,7 @@ class Receiver:
         except WireFormatError as exc:
             if record is not None:
                 self.finish(peer, record, "malformed", f"bad metadata: {exc}")
-            self._deliver(
-                Delivery("error", msg.request_id, peer.name, msg.chunk_id, error=str(exc))
-            )
+            self._deliver(_error(peer, msg, str(exc)))
             return False, None
 
     def _ended(self, peer: Peer, msg: wire.DataReadyMessage, metadata: Any) -> None:
@@ -254,25 +227,10 @@ class Receiver:
             value = codec.loads(inline.header, tensors, allow_pickle=self.core.config.allow_pickle)
         except WireFormatError as exc:
             self.core.counters["decode_errors"] += 1
-            self._deliver(
-                Delivery("error", msg.request_id, peer.name, msg.chunk_id, error=str(exc))
-            )
+            self._deliver(_error(peer, msg, str(exc)))
             return
-        kind: DeliveryKind = "payload" if inline.kind == "payload" else "stream_chunk"
-        self._note_stream(peer, msg.request_id, kind)
-        self._deliver(
-            Delivery(
-                kind,
-                msg.request_id,
-                peer.name,
-                msg.chunk_id,
-                value,
-                metadata,
-                backend="inline",
-                nbytes=sum(t.nbytes for t in inline.tensors),
-                traceparent=msg.traceparent,
-            )
-        )
+        nbytes = sum(t.nbytes for t in inline.tensors)
+        self._deliver(_data(peer, msg, inline.kind, value, metadata, "inline", nbytes))
 
     async def _take_object(self, peer: Peer, record: InRecord, metadata: Any) -> None:
         msg, ref = record.msg, record.ref
@@ -281,7 +239,7 @@ class Receiver:
         if backend is None or info is None:
             why = f"backend {ref.backend!r} is not running on {self.core.name!r} for {peer.name!r}"
             self.finish(peer, record, "unsupported", why)
-            self._deliver(Delivery("error", msg.request_id, peer.name, msg.chunk_id, error=why))
+            self._deliver(_error(peer, msg, why))
             return
         zero_copy = self.core.config.zero_copy
         budget = 0 if zero_copy else ref.ref.length
@@ -293,17 +251,15 @@ class Receiver:
             try:
                 await self.budget.acquire(budget)
                 try:
-                    value = await self._fetch(peer, backend, info, record)
+                    value = await self.reader.read(peer, backend, info, record)
                     taken = True
                 except BaseException:
                     self.budget.release(budget)
                     raise
-            except (WireFormatError, BadReferenceError) as exc:  # the peer's fault
-                failure = ("malformed", str(exc))
-            except _Stalled as exc:
-                failure = ("timeout", str(exc))
-            except (OmniwireError, TypeError, ValueError, RuntimeError, OSError) as exc:
-                failure = ("backend_error", f"{type(exc).__name__}: {exc}")
+            except Exception as exc:
+                failure = nack_of(exc)
+                if failure is None:
+                    raise
             finally:
                 peer.current_take = None
         aborted = self.core.aborts.is_aborted(msg.request_id)
@@ -324,32 +280,10 @@ class Receiver:
                 failure[1],
             )
             self.finish(peer, record, *failure)
-            self._deliver(
-                Delivery(
-                    "error",
-                    msg.request_id,
-                    peer.name,
-                    msg.chunk_id,
-                    metadata=metadata,
-                    error=failure[1],
-                    backend=ref.backend,
-                )
-            )
+            self._deliver(_error(peer, msg, failure[1], metadata, ref.backend))
             return
-        kind: DeliveryKind = "payload" if ref.kind == "payload" else "stream_chunk"
-        self._note_stream(peer, msg.request_id, kind)
-        delivery = Delivery(
-            kind,
-            msg.request_id,
-            peer.name,
-            msg.chunk_id,
-            payload=value,
-            metadata=metadata,
-            backend=ref.backend,
-            nbytes=ref.ref.length,
-            traceparent=msg.traceparent,
-            _budget=budget,
-        )
+        delivery = _data(peer, msg, ref.kind, value, metadata, ref.backend, ref.ref.length)
+        delivery._budget = budget
         if zero_copy and not isinstance(backend, ObjectBackend):
             record.lent = True
             delivery._on_release = lambda: self._released(peer, record)
@@ -357,64 +291,6 @@ class Receiver:
         else:
             self._deliver(delivery)
             self.finish(peer, record)
-
-    async def _fetch(self, peer: Peer, backend: BackendBase, info: Any, record: InRecord) -> Any:
-        """Import and read the object; returns the payload (views in zero-copy mode)."""
-        ref = record.ref
-        length = ref.ref.length
-        record.imp = imp = await backend.import_(info, ref.ref.info, length)
-        if isinstance(backend, ObjectBackend):
-            return imp.value
-        if ref.layout == "per_tensor":
-            await imp.fetch(0, length)
-            tensors = list(imp.tensors or [])
-            if not self.core.config.zero_copy:
-                tensors = [t.clone() for t in tensors]
-        else:
-            dest = None if self.core.config.zero_copy else self._receive_buffer(imp.buffer, length)
-            done = 0
-            while done < length:
-                ready = await self._wait_ready(peer, record, done)
-                await imp.fetch(done, ready, dest)
-                done = ready
-            source = dest if dest is not None else imp.buffer
-            if source is None:
-                if length:
-                    raise BackendError(
-                        f"backend {ref.backend} imported no buffer for object {ref.object_id}"
-                    )
-                source = torch.empty(0, dtype=torch.uint8)  # a payload with no tensor bytes
-            tensors = packing.unpack(source, ref.tensors, copy=False)
-        return codec.loads(ref.header, tensors, allow_pickle=self.core.config.allow_pickle)
-
-    async def _wait_ready(self, peer: Peer, record: InRecord, done: int) -> int:
-        """Wait until the sender announced bytes past ``done``; return the new ``ready``."""
-        timeout = self.core.config.ack_timeout
-        while record.ready <= done:
-            record.progressed = anyio.Event()
-            with anyio.move_on_after(timeout):
-                await record.progressed.wait()
-            if record.ready <= done and not record.progressed.is_set():
-                raise _Stalled(
-                    f"{peer.name!r} made no progress on object {record.object_id} for {timeout:g} s"
-                )
-        return record.ready
-
-    def _receive_buffer(self, source: torch.Tensor | None, length: int) -> torch.Tensor:
-        """Where a copy-mode delivery lands: the receiving GPU when the backend
-        delivers to one, else a warm host buffer from the pool."""
-        if source is not None and source.device.type != "cpu":
-            return torch.empty(length, dtype=torch.uint8, device=source.device)
-        return self.pool.take(length)
-
-    async def _consume(self, peer: Peer, record: InRecord) -> None:
-        """A refused object of a two-sided engine must still be imported, in order."""
-        backend = self.core.backends.get(record.ref.backend)
-        info = peer.info.get(record.ref.backend)
-        if backend is None or info is None or not type(backend).capabilities.two_sided:
-            return
-        with contextlib.suppress(OmniwireError):
-            record.imp = await backend.import_(info, record.ref.ref.info, record.ref.ref.length)
 
     # -- the release path --------------------------------------------------------------
 
@@ -472,13 +348,6 @@ class Receiver:
 
     # -- deliveries ----------------------------------------------------------------------
 
-    def _note_stream(self, peer: Peer, request_id: str, kind: DeliveryKind) -> None:
-        if kind == "stream_chunk":
-            streams = peer.open_streams
-            streams[request_id] = None
-            if len(streams) > _OPEN_STREAMS:
-                streams.popitem(last=False)
-
     def _deliver(self, delivery: Delivery) -> None:
         observer = self.core.observer
         if observer is not None:
@@ -533,15 +402,60 @@ class Receiver:
             if peer.current_take is not None:
                 peer.current_take[1].cancel()
         self.deliveries.close()
-        self.pool.clear()
+        self.reader.close()
 
     def in_flight(self) -> dict[str, int]:
         return {p.name: len(p.session.inbound) for p in self.peers.all()}
 
 
-class _Stalled(OmniwireError):
-    """The sender of a progressive object announced no more of it in time."""
-
-
 def _rid(item: InRecord | wire.DataReadyMessage) -> str:
     return item.request_id
+
+
+def _data(
+    peer: Peer,
+    msg: wire.DataReadyMessage,
+    kind: str,
+    value: Any,
+    metadata: Any,
+    backend: str,
+    nbytes: int,
+) -> Delivery:
+    """A payload or stream chunk for the application (a chunk opens its stream)."""
+    delivered: DeliveryKind = "payload" if kind == "payload" else "stream_chunk"
+    if delivered == "stream_chunk":
+        streams = peer.open_streams
+        streams[msg.request_id] = None
+        if len(streams) > _OPEN_STREAMS:
+            streams.popitem(last=False)
+    return Delivery(
+        delivered,
+        msg.request_id,
+        peer.name,
+        msg.chunk_id,
+        value,
+        metadata,
+        backend=backend,
+        nbytes=nbytes,
+        traceparent=msg.traceparent,
+    )
+
+
+def _error(
+    peer: Peer,
+    msg: wire.DataReadyMessage,
+    error: str,
+    metadata: Any = None,
+    backend: str | None = None,
+) -> Delivery:
+    """An ``error`` delivery: a message of ``peer`` could not be taken."""
+    return Delivery(
+        "error",
+        msg.request_id,
+        peer.name,
+        msg.chunk_id,
+        metadata=metadata,
+        error=error,
+        backend=backend,
+        traceparent=msg.traceparent,
+    )

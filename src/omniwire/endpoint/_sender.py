@@ -20,7 +20,7 @@ import anyio
 import torch
 
 from .. import codec, packing, wire
-from ..backends.base import THREAD_COPY_THRESHOLD, BackendBase, ByteBackend, ObjectBackend
+from ..backends.base import ByteBackend, ObjectBackend
 from ..delivery import SendReceipt
 from ..errors import (
     AckTimeoutError,
@@ -33,6 +33,7 @@ from ..errors import (
 )
 from ..routing import INLINE, PayloadInfo, Route
 from ._core import Core
+from ._exporting import export_bytes, publish_rest
 from ._peers import PeerTable
 from ._records import OutRecord, Peer, PeerStatus, SharedExport
 from ._stats import RouteStats
@@ -140,7 +141,7 @@ class Sender:
         meta = self.metadata(metadata)
         with core.aborts.guard(request_id, target):
             peer = await self.peers.wait_ready(target, core.config.handshake_timeout)
-            core.aborts.note_sent(request_id, target)
+            core.aborts.note_peer(request_id, target)
             msg = wire.DataReadyMessage(
                 request_id=request_id,
                 from_stage=core.name,
@@ -203,7 +204,7 @@ class Sender:
     ) -> tuple[RouteStats, int]:
         """Note that ``peer`` gets data of the request (an abort must reach it); the
         route's statistics and the chunk's position in its stream."""
-        self.core.aborts.note_sent(request_id, peer.name)
+        self.core.aborts.note_peer(request_id, peer.name)
         chunk_id = 0
         if kind == "stream_chunk":
             chunk_id = peer.chunk_ids.get(request_id, 0)
@@ -282,8 +283,14 @@ class Sender:
         await self._credit(peer, record)
         posted = False
         try:
-            if shared is None:
-                points = await self._export(peer, backend, info, enc, layout, payload, record, lend)
+            if isinstance(backend, ObjectBackend):
+                record.export = backend.export_object(info, payload)
+                points = [nbytes]
+            elif shared is None:
+                assert isinstance(backend, ByteBackend)
+                record.export, points = await export_bytes(
+                    backend, info, enc.tensors, layout, lend=lend, piece=self._piece(peer, backend)
+                )
             else:  # a fan-out packed it once: this target reads the same buffer
                 record.export = shared.share()
                 points = [nbytes]
@@ -329,7 +336,7 @@ class Sender:
         stats.count += 1
         stats.nbytes += nbytes
         if len(points) > 1:
-            await self._progress(peer, record, enc, layout, points)
+            await publish_rest(self.core, peer, record, enc.tensors, layout, points)
         return record.receipt
 
     async def _credit(self, peer: Peer, record: OutRecord) -> None:
@@ -349,68 +356,14 @@ class Sender:
                 )
         record.credits = credits
 
-    async def _export(
-        self,
-        peer: Peer,
-        backend: BackendBase,
-        info: Any,
-        enc: codec.Encoded,
-        layout: packing.PackPlan,
-        payload: Any,
-        record: OutRecord,
-        lend: bool,
-    ) -> list[int]:
-        """Make the object's bytes available; returns the progressive split points."""
-        nbytes = layout.nbytes
-        if isinstance(backend, ObjectBackend):
-            record.export = backend.export_object(info, payload)
-            return [nbytes]
-        assert isinstance(backend, ByteBackend)
-        export = await backend.export_tensors(info, enc.tensors, lent=lend)
-        if export is not None:
-            record.export = export
-            return [nbytes]
-        device = next((str(t.device) for t in enc.tensors if t.device.type != "cpu"), "cpu")
-        record.export = export = await backend.export(info, nbytes, device)
-        points = [nbytes]
+    def _piece(self, peer: Peer, backend: ByteBackend) -> int:
+        """The progressive piece size for ``peer`` on ``backend`` (0: in one piece)."""
         hello = peer.hello
-        if (
-            type(backend).capabilities.progressive
-            and self.core.config.progressive_chunk > 0
-            and "zero_copy" not in (hello.features if hello else ())
+        if not type(backend).capabilities.progressive or (
+            "zero_copy" in (hello.features if hello else ())
         ):  # a zero-copy receiver copies nothing: announcing in pieces buys nothing
-            points = packing.split_points(enc.tensors, layout, self.core.config.progressive_chunk)
-        assert export.buffer is not None
-        await _pack(export.buffer, enc.tensors, layout, 0, points[0])
-        return points
-
-    async def _progress(
-        self,
-        peer: Peer,
-        record: OutRecord,
-        enc: codec.Encoded,
-        layout: packing.PackPlan,
-        points: list[int],
-    ) -> None:
-        """Pack and announce the rest of a progressive object, piece by piece."""
-        for lo, hi in itertools.pairwise(points):
-            export = record.export
-            if record.released or export is None or export.buffer is None:
-                return  # released meanwhile (NACK, peer lost): the receiver drops it
-            await _pack(export.buffer, enc.tensors, layout, lo, hi)
-            await export.publish(lo, hi)
-            if record.released or peer.generation != record.generation:
-                return
-            peer.session.advance(record.object_id, hi)
-            self.core.outbox.post(
-                peer,
-                wire.DataProgressMessage(
-                    object_id=record.object_id,
-                    from_stage=self.core.name,
-                    to_stage=peer.name,
-                    ready=hi,
-                ),
-            )
+            return 0
+        return self.core.config.progressive_chunk
 
     def _check_peer(self, peer: Peer, record: OutRecord) -> None:
         if peer.status is not PeerStatus.READY or peer.generation != record.generation:
@@ -519,27 +472,6 @@ def _as_error(exc: BaseException, peer: Peer) -> BaseException | None:
         if isinstance(exc, Exception)
         else EndpointClosedError(f"send to {peer.name!r} cancelled")
     )
-
-
-async def _pack(
-    dest: torch.Tensor, tensors: list[torch.Tensor], layout: packing.PackPlan, lo: int, hi: int
-) -> None:
-    if hi - lo < THREAD_COPY_THRESHOLD:
-        packing.pack_into(dest, tensors, layout, lo, hi)
-        return
-    cuda = next((t.device for t in tensors if t.device.type == "cuda"), None)
-    if cuda is None and dest.device.type != "cuda":
-        await anyio.to_thread.run_sync(packing.pack_into, dest, tensors, layout, lo, hi)
-        return
-    # CUDA copies are ordered on a stream, and the current stream is per thread:
-    # pack in the worker on the caller's stream, after the work that made the tensors.
-    stream = torch.cuda.current_stream(cuda if cuda is not None else dest.device)
-
-    def pack_on_stream() -> None:
-        with torch.cuda.stream(stream):
-            packing.pack_into(dest, tensors, layout, lo, hi)
-
-    await anyio.to_thread.run_sync(pack_on_stream)
 
 
 class _locked:
