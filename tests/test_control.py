@@ -24,7 +24,8 @@ import zmq.asyncio
 from hypothesis import given
 from hypothesis import strategies as st
 
-from omniwire.control import IPC_PATH_MAX, Address, ControlPlane, PeerEvent, parse_address
+from omniwire.addresses import IPC_PATH_MAX, Address, parse_address
+from omniwire.control import ControlPlane, PeerEvent
 from omniwire.errors import (
     AddressError,
     AddressInUseError,

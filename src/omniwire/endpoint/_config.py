@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import registry, wire
-from ..control import parse_address
+from ..addresses import parse_address
 from ..errors import ConfigurationError, UnknownNameError, WireFormatError
 from ..routing import INLINE, DefaultPolicy, RoutingPolicy, StaticTablePolicy
 

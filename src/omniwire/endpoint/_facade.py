@@ -21,8 +21,8 @@ from collections.abc import Mapping, Sequence
 from types import TracebackType
 from typing import Any, overload
 
+from ..addresses import parse_address
 from ..backends.base import BackendBase
-from ..control import parse_address
 from ..delivery import SendReceipt
 from ..errors import (
     ConfigurationError,

@@ -14,9 +14,9 @@ import os
 from collections.abc import Iterable
 
 from .. import hostinfo, wire
+from ..addresses import parse_address
 from ..backends.base import PeerInfo
 from ..capabilities import Locality
-from ..control import parse_address
 from ..errors import (
     AddressError,
     NameClashError,

@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING
 import anyio
 import sniffio
 
+from ..addresses import parse_address
 from ..backends.base import BackendContext
-from ..control import parse_address
 from ..errors import ConfigurationError, OmniwireError
 from ..registry import backend_status, backends, load_backend
 from ._core import Core, State

@@ -28,9 +28,10 @@ from collections.abc import Callable
 import anyio
 
 from .. import hostinfo, wire
+from ..addresses import parse_address
 from ..backends.base import PeerInfo
 from ..capabilities import Locality
-from ..control import PeerEvent, parse_address
+from ..control import PeerEvent
 from ..errors import (
     AddressError,
     BackendError,
