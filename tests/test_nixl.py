@@ -572,3 +572,35 @@ def test_an_idle_agent_leaves_the_cores_alone() -> None:
     finally:
         agent.close()
     assert used < 0.3 * elapsed, f"an idle agent used {used:.2f} s of CPU in {elapsed:.2f} s"
+
+
+def test_reads_over_tcp_are_served_by_the_targets_progress_thread(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Over UCX's tcp transport (no shared memory, as between hosts without RDMA) the
+    sender's agent must answer each READ itself: its progress thread, which sleeps
+    until an event, wakes for them."""
+    cls = require_backend("nixl")
+    monkeypatch.setenv("UCX_TLS", "tcp")
+
+    async def run() -> None:
+        a = cls(_ctx("tcp-alpha", pool_size=8 << 20))
+        b = cls(_ctx("tcp-beta", pool_size=8 << 20))
+        await a.start()
+        await b.start()
+        try:
+            await b.connect(_peer_info(a))
+            await a.connect(_peer_info(b))
+            pair = _Pair(None, a, b)  # type: ignore[arg-type]
+            with anyio.fail_after(60):
+                for seed, n in enumerate([4 << 20, 3000, 1 << 20, 4 << 20]):
+                    data = _pattern(n, seed)
+                    out = await _send(pair, data)
+                    got = await _receive(pair, out.ref, n, copy=seed % 2 == 0)
+                    out.release()
+                    assert torch.equal(got, data), n
+        finally:
+            await a.aclose()
+            await b.aclose()
+
+    anyio.run(run)
