@@ -496,3 +496,21 @@ def test_restarted_peer_gets_a_new_process_group(nccl_class: type[Any]) -> None:
         # (PeerProcess.stop() after kill() would read the pipe kill() closed.)
         codes = [p.stop() if p.proc.poll() is None else p.proc.returncode for p in procs]
     assert len(procs) == 2 and codes[1] == 0, f"restarted peer exited with {codes[1]}"
+
+
+def test_the_bare_gloo_baseline_checks_the_first_transfer_of_each_size(
+    nccl_class: type[Any],
+) -> None:
+    """``omniwire bench``'s bare-gloo baseline (two processes): bytes checked on the
+    first transfer of each size (corruption is an error), not after every transfer;
+    the peer exits cleanly."""
+    from omniwire import rawbench
+
+    size = 1 << 20
+    with rawbench.open_session("nccl", size) as session:
+        assert session.once(size) > 0  # checked
+        session.data[:4096] += 1  # what later transfers send is wrong now
+        assert session.once(size) > 0  # not checked again
+        with pytest.raises(BackendError, match="corrupted"):
+            session.once(4096)  # a new size: checked
+        assert session.once(4096) > 0

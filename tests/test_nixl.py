@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import secrets
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -493,3 +494,113 @@ async def test_a_read_that_cannot_be_cancelled_quarantines_its_memory() -> None:
 def test_agent_seam_is_what_nixl_agent_implements() -> None:
     names = [n for n in dir(engine_mod.Agent) if not n.startswith("_")]
     assert all(callable(getattr(NixlAgent, n, None)) for n in names if n != "name"), names
+
+
+# -- the agent's progress thread ---------------------------------------------------------
+
+
+class _FakeBind:
+    """What ``nixl._api`` takes from its native module when it builds an agent."""
+
+    class nixlAgentConfig:
+        pthrDelay = 0
+
+    DRAM_SEG = "dram"
+
+    def __init__(self) -> None:
+        self.configs: list[Any] = []
+
+
+def _fake_api(bind: Any) -> Any:
+    """A stand-in for ``nixl._api`` whose ``nixl_agent`` builds its native config as
+    the real wrapper does: from the module's ``nixlBind``, with ``pthrDelay = 0``."""
+
+    api = type("api", (), {})()
+    api.nixlBind = bind
+
+    class nixl_agent:
+        def __init__(self, name: str, conf: Any) -> None:
+            config = api.nixlBind.nixlAgentConfig()
+            config.pthrDelay = 0
+            bind.configs.append(config)
+            self.segment = api.nixlBind.DRAM_SEG  # the other names still resolve
+
+    api.nixl_agent = nixl_agent
+    return api
+
+
+def test_the_progress_thread_waits_for_events_instead_of_spinning() -> None:
+    """NIXL's wrapper hard-codes a progress-thread delay of 0 (a busy loop); the agent
+    is built with ``PROGRESS_POLL_US`` instead, and the wrapper's module is restored."""
+    bind = _FakeBind()
+    api = _fake_api(bind)
+    agent = engine_mod._new_agent(api, "a", None, engine_mod.PROGRESS_POLL_US)
+    assert bind.configs[0].pthrDelay == engine_mod.PROGRESS_POLL_US > 0
+    assert agent.segment == "dram"
+    assert api.nixlBind is bind
+    # a delay of 0 asks for the wrapper's own behaviour
+    engine_mod._new_agent(api, "b", None, 0)
+    assert bind.configs[1].pthrDelay == 0
+    assert api.nixlBind is bind
+
+
+def test_a_wrapper_without_a_native_module_still_builds_agents() -> None:
+    bind = _FakeBind()
+    api = _fake_api(bind)
+    api.nixlBind = None  # nothing to adjust: the wrapper builds it as it likes
+
+    class plain:
+        def __init__(self, name: str, conf: Any) -> None:
+            self.name = name
+
+    api.nixl_agent = plain
+    assert engine_mod._new_agent(api, "c", None, 1000).name == "c"
+    assert api.nixlBind is None
+
+
+def test_an_idle_agent_leaves_the_cores_alone() -> None:
+    """A real agent, idle for a second, uses a few percent of a core (the spinning
+    progress thread of NIXL's default took a whole one)."""
+    require_backend("nixl")
+    agent = NixlAgent(engine_mod.agent_name("idle"))
+    try:
+        cpu, wall = time.thread_time(), time.monotonic()
+        start = time.process_time()
+        time.sleep(1.0)
+        used = (time.process_time() - start) - (time.thread_time() - cpu)
+        elapsed = time.monotonic() - wall
+    finally:
+        agent.close()
+    assert used < 0.3 * elapsed, f"an idle agent used {used:.2f} s of CPU in {elapsed:.2f} s"
+
+
+def test_reads_over_tcp_are_served_by_the_targets_progress_thread(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Over UCX's tcp transport (no shared memory, as between hosts without RDMA) the
+    sender's agent must answer each READ itself: its progress thread, which sleeps
+    until an event, wakes for them."""
+    cls = require_backend("nixl")
+    monkeypatch.setenv("UCX_TLS", "tcp")
+
+    async def run() -> None:
+        a = cls(_ctx("tcp-alpha", pool_size=8 << 20))
+        b = cls(_ctx("tcp-beta", pool_size=8 << 20))
+        await a.start()
+        await b.start()
+        try:
+            await b.connect(_peer_info(a))
+            await a.connect(_peer_info(b))
+            pair = _Pair(None, a, b)  # type: ignore[arg-type]
+            with anyio.fail_after(60):
+                for seed, n in enumerate([4 << 20, 3000, 1 << 20, 4 << 20]):
+                    data = _pattern(n, seed)
+                    out = await _send(pair, data)
+                    got = await _receive(pair, out.ref, n, copy=seed % 2 == 0)
+                    out.release()
+                    assert torch.equal(got, data), n
+        finally:
+            await a.aclose()
+            await b.aclose()
+
+    anyio.run(run)
