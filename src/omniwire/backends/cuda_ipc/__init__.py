@@ -2,8 +2,11 @@
 
 Files: ``_blobs`` (Hello info and references, validated; tensors to shares and
 back), ``_gpu`` (every CUDA and torch IPC call, behind the :class:`CudaApi` seam),
-``_backend`` (the backend, its handles, the event ring; slots come from the shared
-slot pool, :mod:`omniwire.backends.pool`).
+``_devices`` (this process's GPUs by index and UUID), ``_slots`` (the sender's slot
+pool, from the shared slot pool :mod:`omniwire.backends.pool`, and its event ring),
+``_peers`` (what is kept per peer, given back when the peer goes), ``_handles`` (the
+export and import handles and the mapping work they do), ``_backend`` (the backend:
+its lifecycle and the export and import entry points).
 
 Two paths, chosen per object by the sender:
 
@@ -69,7 +72,8 @@ receives on and keeps its pool on; default: the current device), ``min_block``
 default 60), ``api`` (a :class:`CudaApi` to use instead of torch's CUDA).
 """
 
-from ._backend import CudaIpcBackend, EventRing
+from ._backend import CudaIpcBackend
 from ._gpu import CudaApi, Event, TorchCuda
+from ._slots import EventRing
 
 __all__ = ["CudaApi", "CudaIpcBackend", "Event", "EventRing", "TorchCuda"]
