@@ -2,8 +2,13 @@
 objects, gloo for CPU objects.
 
 Files: ``_blobs`` (Hello info and references), ``_engine`` (torch.distributed
-behind the :class:`Dist` seam), ``_link`` (a pair's process groups and the threads
-that drive them), ``_backend`` (the backend and its handles).
+behind the :class:`Dist` seam), ``_objects`` (the sender's and receiver's state of
+one object, the ordered channel's headers), ``_link`` (a pair, and one generation
+of its process groups: their state, the posts, failure), ``_groups`` (the
+rendezvous, building the groups and tearing them down), ``_threads`` (the worker
+threads' loops: reapers, tagged receives, the ordered channel's FIFO threads),
+``_registry`` (the live links, joined at exit), ``_backend`` (the backend and its
+handles).
 
 Process groups
     Every backend instance hosts a ``TCPStore`` (bound to ``ctx.host``, port chosen by

@@ -26,7 +26,9 @@ from ..base import (
 from ..support import check_range, lent_pieces
 from . import _blobs as blobs
 from ._engine import Dist, Store, TorchDistributed, engine_error
-from ._link import CLOSE_JOIN_SECONDS, Inbound, Link, Outbound, Pair, join_links, live_links
+from ._link import Link, Pair
+from ._objects import Inbound, Outbound
+from ._registry import CLOSE_JOIN_SECONDS, join_links, live_links
 
 __all__ = ["NcclBackend"]
 
