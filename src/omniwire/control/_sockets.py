@@ -1,0 +1,162 @@
+"""What the parts of a control plane share: the ZeroMQ context and its CURVE
+authenticator, the options every socket gets, every socket still open, the ipc
+socket files bound, and the plane's state."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import os
+import threading
+from collections.abc import Callable, Iterable
+from typing import Any, Literal
+
+import zmq
+import zmq.asyncio
+import zmq.auth.asyncio
+
+from ..addresses import Address, file_id
+from ..errors import (
+    AddressError,
+    AddressInUseError,
+    EndpointClosedError,
+    EndpointNotStartedError,
+)
+from ..wire import MAX_FRAME_SIZE
+from ._curve import AllowOne, CurveKey
+
+#: ZMQ drops a connection that sends a larger message, before it reaches memory.
+#: Frames between MAX_FRAME_SIZE and this are received and refused by the decoder.
+_ZMQ_MAX_MSG = 2 * MAX_FRAME_SIZE
+
+_LINGER_MS = 500
+
+
+def closed_error() -> EndpointClosedError:
+    return EndpointClosedError("control plane is closed")
+
+
+def fail_all(futures: Iterable[asyncio.Future[Any]], error: Callable[[], BaseException]) -> None:
+    """Fail the futures not yet done (before their socket closes: pyzmq would cancel
+    them, and a cancelled future reads as the waiter's own cancellation)."""
+    for fut in list(futures):
+        if not fut.done():
+            fut.set_exception(error())
+
+
+class Sockets:
+    """The context of one control plane and every socket made in it.
+
+    Args:
+        key: CURVE key pair for every socket, or None.
+        heartbeat_interval: ZMTP heartbeat interval (s).
+        heartbeat_timeout: ZMTP heartbeat timeout and TTL (s).
+    """
+
+    def __init__(
+        self, *, key: CurveKey | None, heartbeat_interval: float, heartbeat_timeout: float
+    ) -> None:
+        self.key = key
+        self._hb = (int(heartbeat_interval * 1000), int(heartbeat_timeout * 1000))
+        self.ctx: zmq.asyncio.Context | None = None
+        self._auth: zmq.auth.asyncio.AsyncioAuthenticator | None = None
+        self._open: set[zmq.Socket[Any]] = set()  # every socket still open
+        self._files: list[tuple[str, tuple[int, int] | None]] = []  # ipc files we bound
+        self.loop_thread: int | None = None
+        self.state: Literal["new", "open", "closed"] = "new"
+
+    def check_open(self) -> None:
+        if self.state == "new":
+            raise EndpointNotStartedError("control plane not started: call start() first")
+        if self.state == "closed":
+            raise closed_error()
+
+    def on_loop_thread(self) -> bool:
+        return self.loop_thread is None or threading.get_ident() == self.loop_thread
+
+    def start(self) -> None:
+        """Create the context, and the authenticator when there is a key."""
+        self.ctx = zmq.asyncio.Context()
+        if self.key is not None:
+            self._auth = zmq.auth.asyncio.AsyncioAuthenticator(self.ctx)
+            self._auth.start()
+            self._auth.configure_curve_callback("*", AllowOne(self.key.public))
+
+    def options(self, sock: zmq.Socket[Any], *, server: bool, ipv6: bool) -> None:
+        sock.setsockopt(zmq.LINGER, _LINGER_MS)
+        sock.setsockopt(zmq.MAXMSGSIZE, _ZMQ_MAX_MSG)
+        sock.setsockopt(zmq.HEARTBEAT_IVL, self._hb[0])
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, self._hb[1])
+        sock.setsockopt(zmq.HEARTBEAT_TTL, self._hb[1])
+        sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+        if ipv6:
+            sock.setsockopt(zmq.IPV6, 1)
+        if self.key is not None:
+            sock.curve_secretkey = self.key.secret
+            sock.curve_publickey = self.key.public
+            if server:
+                sock.curve_server = True
+            else:
+                sock.curve_serverkey = self.key.public
+
+    def socket(self, kind: int, *, server: bool, ipv6: bool = False) -> zmq.asyncio.Socket:
+        assert self.ctx is not None
+        sock = self.ctx.socket(kind)
+        self._open.add(sock)
+        try:
+            self.options(sock, server=server, ipv6=ipv6)
+        except zmq.ZMQError:
+            self.close(sock, 0)
+            raise
+        return sock
+
+    def track(self, sock: zmq.Socket[Any]) -> None:
+        """Count a socket made elsewhere (a monitor) among those to close."""
+        self._open.add(sock)
+
+    def close(self, sock: zmq.Socket[Any] | None, linger: int | None = 0) -> None:
+        if sock is None:
+            return
+        self._open.discard(sock)
+        with contextlib.suppress(zmq.ZMQError):
+            sock.close(linger=linger)
+
+    def bind(self, sock: zmq.Socket[Any], addr: Address) -> None:
+        try:
+            sock.bind(str(addr))
+        except zmq.ZMQError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise AddressInUseError(f"address {str(addr)!r} is in use: {exc}") from exc
+            raise AddressError(f"cannot bind address {str(addr)!r}: {exc}") from exc
+        if addr.file is not None:
+            self._files.append((os.path.abspath(addr.path), file_id(addr.path)))
+
+    def count(self) -> int:
+        """Sockets still open, the ZAP handler's included."""
+        count = sum(1 for s in self._open if not s.closed)
+        if self._auth is not None and not self._auth.zap_socket.closed:
+            count += 1
+        return count
+
+    def release(self, *, term: bool) -> zmq.asyncio.Context | None:
+        """Close the sockets left open, stop the authenticator, remove our socket
+        files; then terminate the context (``term``) or return it for the caller to
+        terminate."""
+        for leftover in list(self._open):
+            self.close(leftover)
+        if self._auth is not None:
+            with contextlib.suppress(Exception):
+                self._auth.stop()
+            self._auth = None
+        for path, ident in self._files:
+            if ident is None or file_id(path) == ident:  # still ours, not a newcomer's
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
+        self._files.clear()
+        ctx, self.ctx = self.ctx, None
+        if ctx is not None and term:
+            with contextlib.suppress(zmq.ZMQError):
+                ctx.term()
+            return None
+        return ctx
