@@ -213,3 +213,43 @@ def test_loads_keeps_no_reference_to_the_tensors() -> None:
         assert all(r() is None for r in refs)
     finally:
         gc.enable()
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        torch.arange(6.0).reshape(2, 3),
+        {"x": torch.ones(3), "y": torch.zeros(2, dtype=torch.int8)},
+        {"a": 1, "b": "s", "c": None, "d": 2.5, "e": True},
+    ],
+    ids=["one tensor", "flat dict of tensors", "flat dict of scalars"],
+)
+def test_shortcut_shapes_encode_as_the_general_path_does(value: Any) -> None:
+    """One tensor and flat dicts skip the general walk both ways; the header they get is
+    byte for byte the general walker's, and it decodes to the same value."""
+    enc = codec.dumps(value)
+    dumper = codec._Dumper(False)
+    general = codec._encoder.encode(dumper.walk(value, (), 0))
+    assert enc.header == general
+    assert enc.paths == dumper.paths
+    assert [id(t) for t in enc.tensors] == [id(t) for t in dumper.tensors]
+    assert_payload_equal(value, _round_trip(value))
+
+
+@pytest.mark.parametrize(
+    "tensor",
+    [torch.ones(2).to_sparse(), torch.empty(2, device="meta")],
+    ids=["sparse", "meta"],
+)
+def test_shortcut_shapes_still_refuse_what_the_wire_cannot_carry(tensor: torch.Tensor) -> None:
+    for value in (tensor, {"t": tensor}):
+        with pytest.raises(TypeError, match="not supported"):
+            codec.dumps(value)
+
+
+def test_a_header_for_one_tensor_needs_exactly_one() -> None:
+    header = codec.dumps(torch.ones(1)).header
+    with pytest.raises(WireFormatError, match="refers to tensor 0"):
+        codec.loads(header, [])
+    t = torch.ones(2)
+    assert codec.loads(header, [t]) is t

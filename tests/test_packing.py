@@ -213,3 +213,18 @@ def test_as_byte_tensor_views_odd_buffers_or_says_why_not() -> None:
         packing.as_byte_tensor(memoryview(bytearray(16))[::2])
     with pytest.raises(TypeError, match="contiguous 1-D uint8"):
         packing.as_byte_tensor(torch.zeros(4, dtype=torch.int32))
+
+
+def test_unpack_inline_views_a_private_copy_of_the_chunk() -> None:
+    """The inline fast path (table checked when the chunk was decoded) gives the same
+    tensors as ``unpack``, writable, and sharing nothing with the message's bytes."""
+    tensors = [torch.arange(5, dtype=torch.int16), torch.ones(2, 3), torch.zeros(0, 4)]
+    layout = packing.plan(tensors)
+    data = packing.pack_bytes(tensors, layout)
+    inline = wire.InlineStreamChunkRef(tensors=layout.metas, data=data)
+    got = packing.unpack_inline(inline)
+    assert [g.dtype for g in got] == [t.dtype for t in tensors]
+    for g, t in zip(got, tensors, strict=True):
+        assert torch.equal(g, t)
+    got[0][0] = 99
+    assert inline.data == data

@@ -235,7 +235,7 @@ class _Dumper:
             raise TypeError(
                 f"{_format_path(path)}: {tensor.layout} tensors are not supported; send dense ones"
             )
-        if tensor.is_quantized or tensor.device.type == "meta":
+        if tensor.is_quantized or tensor.is_meta:
             raise TypeError(f"{_format_path(path)}: quantized and meta tensors are not supported")
         return self._tensor_index(id(tensor), tensor, path)
 
@@ -271,6 +271,8 @@ def dumps(value: Any, *, allow_pickle: bool = False) -> Encoded:
         flat = _dumps_flat(value)
         if flat is not None:
             return flat
+    elif type(value) is torch.Tensor and _plain(value):
+        return Encoded(_TENSOR_HEADER, [value], ["payload"])
     dumper = _Dumper(allow_pickle)
     tree = dumper.walk(value, (), 0)
     return Encoded(_encoder.encode(tree), dumper.tensors, dumper.paths)
@@ -290,7 +292,9 @@ _FLAT_SCALARS: Final = (str, bool, float, type(None))
 def _dumps_flat(value: dict[Any, Any]) -> Encoded | None:
     keys = tuple(value)
     tensors = list(value.values())
-    if all(type(v) in _FLAT_SCALARS or type(v) is int for v in tensors):
+    if type(tensors[0]) is not torch.Tensor:
+        if not all(type(v) in _FLAT_SCALARS or type(v) is int for v in tensors):
+            return None
         # Metadata-like: str keys and plain scalars encode as msgpack does them.
         if all(type(k) is str for k in keys) and all(
             _I64_MIN <= v <= _U64_MAX for v in tensors if type(v) is int
@@ -300,12 +304,21 @@ def _dumps_flat(value: dict[Any, Any]) -> Encoded | None:
     for k, t in zip(keys, tensors, strict=True):
         if type(k) is not str or type(t) is not torch.Tensor:
             return None
-        if t.layout is not torch.strided or t.is_quantized or t.device.type == "meta":
+        if not _plain(t):
             return None  # the general path says why
-    if len({id(t) for t in tensors}) != len(tensors):
+    if len(tensors) > 1 and len({id(t) for t in tensors}) != len(tensors):
         return None  # a tensor twice: one table entry (the general path)
     header, paths = _flat_header(keys)
     return Encoded(header, tensors, list(paths))
+
+
+def _plain(t: torch.Tensor) -> bool:
+    """A tensor the wire carries as it is (``t.device.type`` would cost 6× as much)."""
+    return t.layout is torch.strided and not t.is_quantized and not t.is_meta
+
+
+#: The header of a payload that is one tensor (the general path writes the same bytes).
+_TENSOR_HEADER: Final = _encoder.encode(msgspec.msgpack.Ext(EXT_TENSOR, _encoder.encode(0)))
 
 
 def _flat_header(keys: tuple[str, ...]) -> tuple[bytes, list[str]]:
@@ -400,6 +413,9 @@ def _ext_hook(code: int, data: memoryview) -> Any:
 _header_decoder: Final = msgspec.msgpack.Decoder(ext_hook=_ext_hook)
 
 
+_LEAVES: Final = frozenset({torch.Tensor, np.ndarray, str, bytes, int, float, bool, type(None)})
+
+
 def _depth(value: Any) -> int:
     """Nesting depth of lists, dicts and tuples (scalars and tensors are depth 0)."""
     deepest = 0
@@ -413,7 +429,9 @@ def _depth(value: Any) -> int:
         elif kind is dict:
             deepest = max(deepest, level)
             stack.extend((v, level + 1) for v in item.values() if type(v) in (list, dict, tuple))
-        elif dataclasses.is_dataclass(item) or isinstance(item, msgspec.Struct):
+        elif kind not in _LEAVES and (
+            dataclasses.is_dataclass(item) or isinstance(item, msgspec.Struct)
+        ):
             stack.extend((v, level + 1) for v in _fields(item).values())
     return deepest
 
@@ -428,7 +446,10 @@ def loads(
             unregistered type, nesting deeper than ``MAX_HEADER_DEPTH``, or a
             pickled object while ``allow_pickle`` is False (never unpickled).
     """
-    keys = _flat_keys.get(bytes(header))
+    header = bytes(header)
+    if header == _TENSOR_HEADER and len(tensors) == 1:
+        return tensors[0]  # one tensor, as dumps() writes it
+    keys = _flat_keys.get(header)
     if keys is not None and len(keys) == len(tensors):
         return dict(zip(keys, tensors, strict=True))  # a header dumps() wrote: a flat dict
     previous = getattr(_current, "loader", None)

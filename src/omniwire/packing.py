@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from .errors import WireFormatError
-from .wire import DTYPE_ITEMSIZE, I64_MAX, MAX_NDIM, TensorMeta, align_up
+from .wire import DTYPE_ITEMSIZE, I64_MAX, MAX_NDIM, InlineStreamChunkRef, TensorMeta, align_up
 
 __all__ = [
     "PackPlan",
@@ -34,6 +34,7 @@ __all__ = [
     "split_points",
     "torch_dtype",
     "unpack",
+    "unpack_inline",
 ]
 
 #: wire name → torch dtype, for the names this torch build knows.
@@ -153,10 +154,10 @@ def pack_bytes(tensors: Sequence[torch.Tensor], layout: PackPlan) -> bytes:
         if meta.offset > at:
             parts.append(bytes(meta.offset - at))
         if meta.nbytes:
-            src = t.detach()
-            if src.device.type != "cpu" or not src.is_contiguous():
+            src = t.detach() if t.requires_grad else t
+            if not (src.is_cpu and src.is_contiguous()):
                 src = src.to("cpu").contiguous()
-            if meta.dtype in _NUMPY and src.dim() and src.stride(-1) == 1:
+            if meta.dtype in _NUMPY:
                 parts.append(src.numpy().tobytes())  # C order: the packed layout
             else:
                 parts.append(_flat_bytes(src).numpy().tobytes())
@@ -330,9 +331,25 @@ def _view(base: torch.Tensor, meta: TensorMeta, i: int, copy: bool) -> torch.Ten
         raise WireFormatError(f"tensor {name} ({meta.dtype}) {why}") from exc
 
 
-def _unpack_bytes(buffer: bytearray, metas: Sequence[TensorMeta]) -> list[torch.Tensor]:
+def unpack_inline(inline: InlineStreamChunkRef) -> list[torch.Tensor]:
+    """The tensors of an inline chunk, as views of one private copy of its data.
+
+    An ``InlineStreamChunkRef`` checks its table against its data when it is built or
+    decoded (types, shapes, bounds, 64-byte alignment), so the entries are not
+    checked again here.
+
+    Raises:
+        WireFormatError: an entry torch cannot view (as :func:`unpack`).
+    """
+    return _unpack_bytes(bytearray(inline.data), inline.tensors, checked=True)
+
+
+def _unpack_bytes(
+    buffer: bytearray, metas: Sequence[TensorMeta], *, checked: bool = False
+) -> list[torch.Tensor]:
     """:func:`unpack` of a small buffer (inline data): through numpy where it knows the
-    dtype (several times cheaper than torch's views), torch's views otherwise."""
+    dtype (several times cheaper than torch's views), torch's views otherwise.
+    ``checked``: the table was validated against this buffer (see :func:`unpack_inline`)."""
     size = len(buffer)
     out = []
     base: torch.Tensor | None = None
@@ -343,9 +360,10 @@ def _unpack_bytes(buffer: bytearray, metas: Sequence[TensorMeta]) -> list[torch.
             out.append(_view(base, meta, i, False))
             continue
         try:
-            _check_meta(meta, size)
-            if meta.offset % np_dtype.itemsize:
-                raise WireFormatError(f"offset {meta.offset} is not aligned to its dtype")
+            if not checked:
+                _check_meta(meta, size)
+                if meta.offset % np_dtype.itemsize:
+                    raise WireFormatError(f"offset {meta.offset} is not aligned to its dtype")
             count = meta.nbytes // np_dtype.itemsize
             array = np.frombuffer(buffer, dtype=np_dtype, count=count, offset=meta.offset)
             out.append(torch.from_numpy(array.reshape(meta.shape)))

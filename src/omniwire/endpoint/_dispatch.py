@@ -27,6 +27,15 @@ from ._sender import Sender
 
 __all__ = ["Dispatcher"]
 
+#: The messages that name their sender in ``from_stage``.
+_FromPeer = (
+    wire.DataReadyMessage
+    | wire.DataProgressMessage
+    | wire.DataAckMessage
+    | wire.AbortMessage
+    | wire.GoodbyeMessage
+)
+
 log = logging.getLogger("omniwire.endpoint")
 
 
@@ -119,33 +128,37 @@ class Dispatcher:
         return takeable
 
     def _apply(self, msg: wire.Message) -> Peer | None:
+        if type(msg) is wire.DataReadyMessage:  # the common case first
+            peer = self._said_hello(msg)
+            if msg.to_stage != self.core.name and msg.data_ref is not None:
+                self._nack_misaddressed(peer, msg)
+            return peer if self.receiver.on_data_ready(peer, msg) else None
         if isinstance(msg, wire.HelloMessage):
             self.peers.on_hello(msg)
-            return None
-        if isinstance(msg, wire.RefusalMessage):
+        elif isinstance(msg, wire.RefusalMessage):
             self.peers.on_refusal(msg)
-            return None
-        if isinstance(msg, wire.BatchMessage):
+        elif isinstance(msg, wire.BatchMessage):
             raise RemoteProtocolError("a BatchMessage inside a BatchMessage")
+        elif isinstance(msg, wire.DataProgressMessage):
+            self.receiver.on_progress(self._said_hello(msg), msg)
+        elif isinstance(msg, wire.DataAckMessage):
+            self.sender.on_ack(self._said_hello(msg), msg)
+        elif isinstance(msg, wire.AbortMessage):
+            peer = self._said_hello(msg)
+            peer.session.check(msg)
+            self.abort(msg.request_id, msg.origin or msg.from_stage, msg.reason, via=peer.name)
+        elif isinstance(msg, wire.GoodbyeMessage):
+            self.peers.on_goodbye(self._said_hello(msg), msg)
+        return None
+
+    def _said_hello(self, msg: _FromPeer) -> Peer:
+        """The peer a message comes from, which must have said Hello."""
         peer = self.peers.get(msg.from_stage)
         if peer is None or peer.hello is None:
             raise RemoteProtocolError(
                 f"{type(msg).__name__} from {msg.from_stage!r}, which has not said Hello"
             )
-        if isinstance(msg, wire.DataReadyMessage):
-            if msg.to_stage != self.core.name and msg.data_ref is not None:
-                self._nack_misaddressed(peer, msg)
-            return peer if self.receiver.on_data_ready(peer, msg) else None
-        if isinstance(msg, wire.DataProgressMessage):
-            self.receiver.on_progress(peer, msg)
-        elif isinstance(msg, wire.DataAckMessage):
-            self.sender.on_ack(peer, msg)
-        elif isinstance(msg, wire.AbortMessage):
-            peer.session.check(msg)
-            self.abort(msg.request_id, msg.origin or msg.from_stage, msg.reason, via=peer.name)
-        elif isinstance(msg, wire.GoodbyeMessage):
-            self.peers.on_goodbye(peer, msg)
-        return None
+        return peer
 
     def _nack_misaddressed(self, peer: Peer, msg: wire.DataReadyMessage) -> None:
         assert msg.data_ref is not None

@@ -223,7 +223,7 @@ class Receiver:
         metadata: Any,
     ) -> None:
         try:
-            tensors = packing.unpack(bytearray(inline.data), inline.tensors, copy=False)
+            tensors = packing.unpack_inline(inline)
             value = codec.loads(inline.header, tensors, allow_pickle=self.core.config.allow_pickle)
         except WireFormatError as exc:
             self.core.counters["decode_errors"] += 1

@@ -10,7 +10,7 @@ field never changes type; readers ignore fields they do not know.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, NoReturn
 
 import msgspec
 
@@ -142,8 +142,9 @@ class TensorMeta(_Base, frozen=True, kw_only=True):
                 f"TensorMeta.shape {self.shape}: the product of its non-zero dimensions "
                 "exceeds 2**63-1"
             )
-        _u64("TensorMeta.offset", self.offset)
-        _u64("TensorMeta.nbytes", self.nbytes)
+        if not (0 <= self.offset <= U64_MAX and 0 <= self.nbytes <= U64_MAX):
+            _u64("TensorMeta.offset", self.offset)
+            _u64("TensorMeta.nbytes", self.nbytes)
         expected = 0 if empty else elements * itemsize
         if self.nbytes != expected:
             raise ValueError(
@@ -228,18 +229,30 @@ class InlineStreamChunkRef(_Base, frozen=True, kw_only=True):
     kind: DataKind = "stream_chunk"
 
     def __post_init__(self) -> None:
-        _check_packed("InlineStreamChunkRef", self.tensors, len(self.data))
-        total = sum(t.nbytes for t in self.tensors)
+        size = len(self.data)
+        if len(self.tensors) > MAX_TENSORS:
+            raise ValueError(
+                f"InlineStreamChunkRef.tensors has {len(self.tensors)} entries; limit {MAX_TENSORS}"
+            )
+        total = 0
+        for t in self.tensors:  # one pass; _refuse_entry says which entry is wrong and why
+            if t.offset % ALIGNMENT or t.offset + t.nbytes > size or t.device != "cpu":
+                self._refuse_entry(size)
+            total += t.nbytes
         if total > INLINE_MAX_TENSOR_BYTES:
             raise ValueError(
                 f"InlineStreamChunkRef carries {total} tensor bytes; "
                 f"the limit is {INLINE_MAX_TENSOR_BYTES}"
             )
+        if size > INLINE_MAX_TENSOR_BYTES + ALIGNMENT * len(self.tensors):
+            raise ValueError(f"InlineStreamChunkRef.data is {len(self.data)} bytes: too long")
+
+    def _refuse_entry(self, size: int) -> NoReturn:
+        _check_packed("InlineStreamChunkRef", self.tensors, size)
         for i, t in enumerate(self.tensors):
             if t.device != "cpu":
                 raise ValueError(f"InlineStreamChunkRef.tensors[{i}] is on {t.device}, not cpu")
-        if len(self.data) > INLINE_MAX_TENSOR_BYTES + ALIGNMENT * len(self.tensors):
-            raise ValueError(f"InlineStreamChunkRef.data is {len(self.data)} bytes: too long")
+        raise AssertionError("an entry failed a check that _check_packed passed")
 
 
 class DeviceInfo(_Base, frozen=True, kw_only=True):
