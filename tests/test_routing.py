@@ -203,3 +203,86 @@ def test_default_policy_is_total_for_cpu_edges(locality: Locality, nbytes: int) 
     for kind in ("payload", "stream_chunk"):
         route = DefaultPolicy().select(e, info(kind, nbytes), (INLINE, LOCAL, SHM, MOONCAKE))
         assert route.backend in ("inline", "local", "shm", "mooncake")
+
+
+_LIMITS = st.lists(st.integers(0, 1 << 24), max_size=4)
+_POLICIES = [
+    DefaultPolicy(),
+    StrictDefaultPolicy(),
+    PreferenceOrderPolicy(["inline", "mooncake", "shm"]),
+    StaticTablePolicy({"dst:payload": "local"}),
+]
+
+
+@given(
+    limits=_LIMITS,
+    kind=st.sampled_from(["payload", "stream_chunk"]),
+    locality=st.sampled_from(list(Locality)),
+    nbytes=st.integers(0, 1 << 25),
+    pick=st.floats(0, 1),
+    policy=st.sampled_from(_POLICIES),
+)
+def test_a_route_holds_for_every_size_of_its_class(
+    limits: list[int],
+    kind: str,
+    locality: Locality,
+    nbytes: int,
+    pick: float,
+    policy: RoutingPolicy,
+) -> None:
+    """A built-in policy's route names the sizes it holds for, and asking again for
+    any size in them gives the very same route (reason and rejections included)."""
+    from dataclasses import replace
+
+    cands = [INLINE, LOCAL, SHM, MOONCAKE] + [
+        Candidate(f"lim{i}", replace(PLUGIN.capabilities, max_nbytes=n))
+        for i, n in enumerate(limits)
+    ]
+    e = edge(locality)
+    try:
+        route = policy.select(e, info(kind, nbytes), cands)
+    except NoRouteError:
+        return
+    assert route.sizes is not None
+    lo, hi = route.sizes
+    assert lo <= nbytes <= hi
+    other = lo + int(pick * (min(hi, 1 << 26) - lo))
+    assert policy.select(e, info(kind, other), cands) == route
+
+
+def test_the_route_cache_asks_a_sized_policy_once_per_class_and_others_once_per_size() -> None:
+    """Chunks of 200 sizes on one edge: the default policy is asked once per size class
+    (inline up to 16 KiB, shm beyond); a policy that gives no sizes, once per size."""
+    from omniwire.routing import RouteCache
+
+    class Counting:
+        def __init__(self, inner: RoutingPolicy, sized: bool) -> None:
+            self.inner, self.sized, self.calls, self.name = inner, sized, 0, "counting"
+
+        def select(self, e: Edge, p: PayloadInfo, c: object) -> Route:
+            self.calls += 1
+            route = self.inner.select(e, p, c)  # type: ignore[arg-type]
+            return route if self.sized else Route(route.backend, route.reason)
+
+    e = edge(Locality.SAME_HOST)
+    sizes = [64 * (i + 1) for i in range(100)] + [(1 << 20) + i for i in range(100)]
+    for sized, expected in ((True, 2), (False, len(sizes))):
+        policy, cache = Counting(DefaultPolicy(), sized), RouteCache()
+        for n in sizes * 2:
+            p = info("stream_chunk", n)
+            route = cache.get(p)
+            if route is None:
+                route = policy.select(e, p, [INLINE, SHM])
+                cache.put(p, route)
+            assert route.backend == ("inline" if n <= 16 << 10 else "shm")
+        assert policy.calls == expected
+
+
+def test_a_class_route_explains_the_sizes_it_holds_for() -> None:
+    small = DefaultPolicy().select(edge(Locality.SAME_HOST), info("stream_chunk", 100), ALL)
+    big = DefaultPolicy().select(edge(Locality.SAME_HOST), info("stream_chunk", 1 << 20), ALL)
+    assert small.sizes == (0, 16 << 10)
+    assert small.reason.startswith("same host, stream chunk of at most 16.0 KiB with cpu")
+    assert big.sizes is not None and big.sizes[0] == (16 << 10) + 1
+    assert big.reason.startswith("same host, stream chunk of more than 16.0 KiB with cpu")
+    assert ("inline", "carries at most 16.0 KiB") in big.rejected

@@ -293,14 +293,14 @@ def _dumps_flat(value: dict[Any, Any]) -> Encoded | None:
     keys = tuple(value)
     tensors = list(value.values())
     if type(tensors[0]) is not torch.Tensor:
-        if not all(type(v) in _FLAT_SCALARS or type(v) is int for v in tensors):
-            return None
         # Metadata-like: str keys and plain scalars encode as msgpack does them.
-        if all(type(k) is str for k in keys) and all(
-            _I64_MIN <= v <= _U64_MAX for v in tensors if type(v) is int
-        ):
-            return Encoded(_encoder.encode(value), [], [])
-        return None
+        for k, v in zip(keys, tensors, strict=True):
+            kind = type(v)
+            if type(k) is not str or not (
+                kind in _FLAT_SCALARS or (kind is int and _I64_MIN <= v <= _U64_MAX)
+            ):
+                return None  # the general path takes it, or says what is wrong
+        return Encoded(_encoder.encode(value), [], [])
     for k, t in zip(keys, tensors, strict=True):
         if type(k) is not str or type(t) is not torch.Tensor:
             return None

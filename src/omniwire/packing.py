@@ -90,7 +90,7 @@ def torch_dtype(name: str) -> torch.dtype:
         ) from None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class PackPlan:
     """Where each tensor goes in the packed buffer, and the buffer's length."""
 
@@ -99,6 +99,8 @@ class PackPlan:
     #: Device kinds of the tensors ("cpu", "cuda"); empty when there are none.
     devices: frozenset[str] = frozenset()
 
+
+_CPU: Final = frozenset({"cpu"})
 
 #: Plans of recent payload shapes: a pipeline sends the same shapes over and over.
 _PLANS: dict[tuple[object, ...], PackPlan] = {}
@@ -133,12 +135,16 @@ def plan(tensors: Sequence[torch.Tensor], paths: Sequence[str] = ()) -> PackPlan
                 shape=tuple(t.shape),
                 offset=offset,
                 nbytes=nbytes,
-                device=str(t.device),
+                device="cpu" if t.is_cpu else str(t.device),
                 path=paths[i] if i < len(paths) else "",
             )
         )
         end = offset + nbytes
-    layout = PackPlan(tuple(metas), end, frozenset(t.device.type for t in tensors))
+    if all(t.is_cpu for t in tensors):  # t.device.type costs 6x as much as t.is_cpu
+        devices = _CPU if tensors else frozenset()
+    else:
+        devices = frozenset(t.device.type for t in tensors)
+    layout = PackPlan(tuple(metas), end, devices)
     if len(_PLANS) >= _PLANS_MAX:
         _PLANS.clear()
     _PLANS[key] = layout

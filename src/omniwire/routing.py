@@ -21,7 +21,7 @@ from typing import Literal, Protocol, runtime_checkable
 
 from .capabilities import Capabilities, Locality
 from .errors import NoRouteError
-from .wire import INLINE_MAX_TENSOR_BYTES
+from .wire import INLINE_MAX_TENSOR_BYTES, U64_MAX
 
 __all__ = [
     "INLINE",
@@ -36,6 +36,7 @@ __all__ = [
     "StaticTablePolicy",
     "StrictDefaultPolicy",
     "check_fit",
+    "size_class",
 ]
 
 Kind = Literal["payload", "stream_chunk"]
@@ -87,11 +88,48 @@ class Route:
     #: True when the winner does not carry the payload's devices natively
     #: (e.g. CUDA tensors staged through host memory).
     fallback: bool = False
+    #: ``(lo, hi)``: the policy gives this same route — reason included — to every
+    #: payload of this edge, kind, devices and tensor count whose ``nbytes`` lies in
+    #: ``[lo, hi]``, so it is reused for them without asking again. ``None`` (the
+    #: default): it holds for the payload asked about only.
+    sizes: tuple[int, int] | None = None
 
     def explain(self) -> str:
         lines = [f"{self.backend}: {self.reason}"]
         lines += [f"  not {name}: {why}" for name, why in self.rejected]
         return "\n".join(lines)
+
+
+class RouteCache:
+    """The routes a policy gave on one edge, reused while the edge lasts (policies are
+    pure functions of their inputs): by payload shape, and by size class where the
+    route has :attr:`Route.sizes` — chunks of varying sizes then ask the policy once
+    per class, not once per size. Bounded: full, it starts over."""
+
+    __slots__ = ("_classes", "_exact", "limit")
+
+    def __init__(self, limit: int = 256) -> None:
+        self.limit = limit
+        self._exact: dict[PayloadInfo, Route] = {}
+        self._classes: dict[tuple[str, frozenset[str], int], list[Route]] = {}
+
+    def get(self, info: PayloadInfo) -> Route | None:
+        route = self._exact.get(info)
+        if route is None:
+            for r in self._classes.get((info.kind, info.devices, info.tensors), ()):
+                assert r.sizes is not None
+                if r.sizes[0] <= info.nbytes <= r.sizes[1]:
+                    return r
+        return route
+
+    def put(self, info: PayloadInfo, route: Route) -> None:
+        if len(self._exact) + len(self._classes) >= self.limit:
+            self._exact.clear()
+            self._classes.clear()
+        if route.sizes is not None and route.sizes[0] <= info.nbytes <= route.sizes[1]:
+            self._classes.setdefault((info.kind, info.devices, info.tensors), []).append(route)
+        else:
+            self._exact[info] = route
 
 
 @runtime_checkable
@@ -158,7 +196,7 @@ def check_fit(c: Candidate, edge: Edge, payload: PayloadInfo) -> str | None:
     if payload.kind == "payload" and not caps.payloads:
         return "carries stream chunks only"
     if caps.max_nbytes is not None and payload.nbytes > caps.max_nbytes:
-        return f"carries at most {_size(caps.max_nbytes)}; this one has {_size(payload.nbytes)}"
+        return f"carries at most {_size(caps.max_nbytes)}"
     foreign = payload.devices - caps.devices
     if foreign and not caps.host_staging:
         return f"carries {'/'.join(sorted(caps.devices))} tensors only, not {'/'.join(sorted(foreign))}"
@@ -172,10 +210,30 @@ def check_fit(c: Candidate, edge: Edge, payload: PayloadInfo) -> str | None:
     return None
 
 
-def _describe(edge: Edge, payload: PayloadInfo) -> str:
+def size_class(nbytes: int, candidates: Sequence[Candidate]) -> tuple[int, int]:
+    """The sizes ``[lo, hi]`` around ``nbytes`` that every candidate's size limit
+    treats alike: :func:`check_fit` says the same of each candidate for all of them."""
+    lo, hi = 0, U64_MAX
+    for c in candidates:
+        limit = c.capabilities.max_nbytes
+        if limit is None:
+            continue
+        if limit < nbytes:
+            lo = max(lo, limit + 1)
+        else:
+            hi = min(hi, limit)
+    return lo, hi
+
+
+def _describe(edge: Edge, payload: PayloadInfo, sizes: tuple[int, int]) -> str:
     what = "stream chunk" if payload.kind == "stream_chunk" else "payload"
     devices = "/".join(sorted(payload.devices)) or "no"
-    return f"{_WHERE[edge.locality]}, {what} of {_size(payload.nbytes)} with {devices} tensors"
+    lo, hi = sizes
+    if hi == U64_MAX:
+        size = f"more than {_size(lo - 1)}" if lo else "any size"
+    else:
+        size = f"at most {_size(hi)}" if not lo else f"{_size(lo)} to {_size(hi)}"
+    return f"{_WHERE[edge.locality]}, {what} of {size} with {devices} tensors"
 
 
 class DefaultPolicy:
@@ -195,6 +253,7 @@ class DefaultPolicy:
         self.name = "strict" if strict else "default"
 
     def select(self, edge: Edge, payload: PayloadInfo, candidates: Sequence[Candidate]) -> Route:
+        sizes = size_class(payload.nbytes, candidates)
         rejected: list[tuple[str, str]] = []
         fits: list[Candidate] = []
         for c in candidates:
@@ -210,7 +269,7 @@ class DefaultPolicy:
         pool = native or ([] if self.strict else staged)
         if not pool:
             raise NoRouteError(
-                f"no backend can carry {_describe(edge, payload)} from {edge.src!r} "
+                f"no backend can carry {_describe(edge, payload, sizes)} from {edge.src!r} "
                 f"to {edge.dst!r} (policy {self.name})",
                 tuple(rejected),
             )
@@ -229,10 +288,10 @@ class DefaultPolicy:
                     )
                 )
         fallback = best not in native
-        reason = f"{_describe(edge, payload)}: {best.summary or best.name}"
+        reason = f"{_describe(edge, payload, sizes)}: {best.summary or best.name}"
         if fallback:
             reason += " (fallback: tensors staged through host memory)"
-        return Route(best.name, reason, tuple(rejected), self.name, fallback)
+        return Route(best.name, reason, tuple(rejected), self.name, fallback, sizes)
 
 
 class StrictDefaultPolicy(DefaultPolicy):
@@ -255,6 +314,7 @@ class PreferenceOrderPolicy:
         self.name = "preference(" + ">".join(self.order) + ")"
 
     def select(self, edge: Edge, payload: PayloadInfo, candidates: Sequence[Candidate]) -> Route:
+        sizes = size_class(payload.nbytes, candidates)
         by_name = {c.name: c for c in candidates}
         rejected: list[tuple[str, str]] = []
         for name in self.order:
@@ -273,13 +333,14 @@ class PreferenceOrderPolicy:
             ]
             return Route(
                 name,
-                f"{_describe(edge, payload)}: first fit in preference order",
+                f"{_describe(edge, payload, sizes)}: first fit in preference order",
                 tuple(rejected),
                 self.name,
+                sizes=sizes,
             )
         if self.strict:
             raise NoRouteError(
-                f"no backend in {list(self.order)} can carry {_describe(edge, payload)} "
+                f"no backend in {list(self.order)} can carry {_describe(edge, payload, sizes)} "
                 f"to {edge.dst!r}",
                 tuple(rejected),
             )
@@ -290,6 +351,7 @@ class PreferenceOrderPolicy:
             tuple(rejected) + route.rejected,
             self.name,
             route.fallback,
+            sizes,
         )
 
 
@@ -334,9 +396,9 @@ class StaticTablePolicy:
         rejected = tuple(
             (o.name, f"edge {key!r} is configured for {name}") for o in candidates if o.name != name
         )
-        return Route(
-            name, f"{_describe(edge, payload)}: configured for edge {key!r}", rejected, self.name
-        )
+        sizes = size_class(payload.nbytes, candidates)
+        reason = f"{_describe(edge, payload, sizes)}: configured for edge {key!r}"
+        return Route(name, reason, rejected, self.name, sizes=sizes)
 
 
 def _chosen(c: Candidate) -> Candidate:

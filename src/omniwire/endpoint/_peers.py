@@ -44,7 +44,7 @@ from ..errors import (
 )
 from ..flow import Credits
 from ..ring import RingReader
-from ..routing import INLINE, INLINE_ANY, Candidate, Edge
+from ..routing import INLINE, INLINE_ANY, Candidate, Edge, RouteCache
 from ._core import Core
 from ._handshake import check_hello, hello_of, locality_of, peer_infos, refusal_error, refuse
 from ._records import InRecord, OutRecord, Peer, PeerStatus
@@ -238,7 +238,7 @@ class PeerTable:
                 for n in info
             ),
         )
-        peer.route_cache = {}
+        peer.routes = RouteCache()
         if hello.abort_address:
             core.control.subscribe(peer.name, hello.abort_address)
         peer.hello_done = True
@@ -354,7 +354,7 @@ class PeerTable:
                 core.supervisor.spawn(backend.disconnect, pinfo)
         peer.info = {}
         peer.edge = None
-        peer.route_cache = {}
+        peer.routes = RouteCache()
         peer.chunk_ids.clear()
         peer.hello_done = False
         peer.down_since = None

@@ -24,7 +24,7 @@ from ..delivery import SendReceipt
 from ..errors import PeerRefusedError
 from ..flow import Credits
 from ..ring import RingReader, RingWriter
-from ..routing import Candidate, Edge, PayloadInfo, Route
+from ..routing import Candidate, Edge, RouteCache
 from ._stats import RouteStats
 
 __all__ = ["ExportShare", "InRecord", "OutRecord", "Peer", "PeerStatus", "SharedExport"]
@@ -188,7 +188,7 @@ class Peer:
     info: dict[str, PeerInfo] = field(default_factory=dict)
     edge: Edge | None = None
     candidates: tuple[Candidate, ...] = ()
-    route_cache: dict[PayloadInfo, Route] = field(default_factory=dict)
+    routes: RouteCache = field(default_factory=RouteCache)
     # the same-host control ring, each direction (spec §3.6)
     ring_reader: RingReader | None = None  # created by us for its frames
     ring_writer: RingWriter | None = None  # its reader, attached: our frames go there

@@ -174,15 +174,12 @@ class Sender:
     # -- routing -----------------------------------------------------------------------
 
     def select(self, peer: Peer, info: PayloadInfo) -> Route:
-        """The policy's route for this edge and payload shape (cached per peer session:
-        policies are pure functions of their inputs)."""
+        """The policy's route for this edge and payload (cached per peer session)."""
         assert peer.edge is not None
-        route = peer.route_cache.get(info)
+        route = peer.routes.get(info)
         if route is None:
             route = self.core.config.policy.select(peer.edge, info, peer.candidates)
-            if len(peer.route_cache) >= 256:
-                peer.route_cache.clear()
-            peer.route_cache[info] = route
+            peer.routes.put(info, route)
             key = (peer.name, info.kind, route.backend)
             level = logging.DEBUG
             if key not in self._routes_seen:

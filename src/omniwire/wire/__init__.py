@@ -23,6 +23,7 @@ from ._constants import (
     MAX_TEXT_BYTES,
     PREFIX_SIZE,
     SUPPORTED_MAJORS,
+    U64_MAX,
     WIRE_VERSION,
     align_up,
 )
@@ -71,6 +72,7 @@ __all__ = [
     "PREFIX_SIZE",
     "REFUSAL_CODES",
     "SUPPORTED_MAJORS",
+    "U64_MAX",
     "WIRE_VERSION",
     "AbortMessage",
     "BackendInfo",
