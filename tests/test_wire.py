@@ -403,3 +403,22 @@ def test_1_1_fields_default_when_a_1_0_writer_omits_them() -> None:
     body |= {"success": False, "error": "x"}
     msg = wire.decode(b"OWIR\x01\x00\x00\x00" + msgspec.msgpack.encode(body))
     assert isinstance(msg, wire.DataAckMessage) and msg.reason is None
+
+
+def test_messages_are_not_tracked_by_the_cycle_collector() -> None:
+    """Wire messages hold only immutable values (no cycle can pass through one), so
+    they are ``gc=False`` structs: a burst of them, built or decoded, adds nothing to
+    the collector's work — its full collections were a tail-latency spike of 50–80 ms."""
+    import gc
+
+    meta = wire.TensorMeta(dtype="uint8", shape=(3,), offset=0, nbytes=3)
+    built = wire.DataReadyMessage(
+        request_id="r",
+        from_stage="a",
+        to_stage="b",
+        inline=wire.InlineStreamChunkRef(tensors=(meta,), data=b"abc"),
+    )
+    decoded = wire.decode(wire.encode(wire.BatchMessage(messages=[built, built])))
+    assert isinstance(decoded, wire.BatchMessage)
+    for msg in (meta, built, built.inline, decoded, *decoded.messages):
+        assert not gc.is_tracked(msg), type(msg).__name__

@@ -107,8 +107,10 @@ def _version(field: str, value: tuple[int, int]) -> None:
         raise ValueError(f"{field} must be [major, minor] with each in [0, 255], got {value}")
 
 
-class _Base(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=False):
-    """Common settings: immutable, keyword-only, unknown fields ignored."""
+class _Base(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=False, gc=False):
+    """Common settings: immutable, keyword-only, unknown fields ignored; not tracked by
+    the cycle collector (a message holds only immutable values, so no cycle can pass
+    through it, and a stream of them then never triggers a full collection)."""
 
 
 class TensorMeta(_Base, frozen=True, kw_only=True):
