@@ -70,7 +70,8 @@ log = logging.getLogger("omniwire.shm")
 SHM_DIR = "/dev/shm"
 PREFIX = "omniwire-"
 _NAME = re.compile(r"^omniwire-(\d+)-([0-9a-f]{8,32})-(\d+)$")
-_PREFIX = re.compile(r"^omniwire-(\d+)-([0-9a-f]{8,32})$")
+#: A sender's segment prefix (spec §9.2), also the name of a control ring (§3.6).
+PREFIX_RE = re.compile(r"^omniwire-(\d+)-([0-9a-f]{8,32})$")
 _MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 
 
@@ -341,7 +342,7 @@ class ShmBackend(ByteBackend):
             return f"malformed shm hello info: {exc}"
         # A peer may only claim segments of its own process (spec §9.2): the prefix
         # carries its pid, and no other live peer holds the same prefix.
-        m = _PREFIX.match(prefix)
+        m = PREFIX_RE.match(prefix)
         if m is None or int(m.group(1)) != peer.pid:
             return f"shm prefix {prefix[:80]!r} is not 'omniwire-{peer.pid}-<hex>' (its own pid)"
         if prefix == self.prefix or any(

@@ -12,10 +12,9 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 import secrets
 
-from ..backends.shm import Segment
+from ..backends.shm import PREFIX_RE, Segment
 from ..errors import BackendError, OmniwireError, ShmFullError
 from ._doorbell import Doorbell
 from ._errors import RingClosedError, RingError
@@ -32,12 +31,10 @@ from ._layout import (
 
 __all__ = ["Mapping", "RingFiles", "check_name"]
 
-_NAME = re.compile(r"^omniwire-(\d+)-([0-9a-f]{8,32})$")
-
 
 def check_name(name: str, owner_pid: int | None) -> None:
     """Refuse a malformed ring name, or (given ``owner_pid``) one of another process."""
-    m = _NAME.match(name)
+    m = PREFIX_RE.match(name)
     if m is None:
         raise RingError(f"ring name {name[:80]!r} is not 'omniwire-<pid>-<hex>'")
     if owner_pid is not None and int(m.group(1)) != owner_pid:
