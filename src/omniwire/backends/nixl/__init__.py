@@ -3,8 +3,9 @@
 Files: ``_blobs`` (Hello info and references, validated), ``_engine`` (the raw
 NIXL calls behind the :class:`Agent` seam, errors mapped once), ``_memory``
 (registrations: the pools' regions and dedicated buffers, the lent tensors'
-registration cache), ``_backend`` (the backend, its handles, and what it knows of
-each peer's agent).
+registration cache), ``_reading`` (the receiver side: each peer's agent as known
+here, and the imports that READ its spans), ``_backend`` (the backend: its pools,
+exports, connections and recovery).
 
 Each backend instance runs one NIXL agent under a unique name and registers one
 **pool** of memory with it, once: pre-faulted host memory (``DRAM``), plus an

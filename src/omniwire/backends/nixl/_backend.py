@@ -23,22 +23,20 @@ from ..base import (
     PeerInfo,
 )
 from ..pool import Lease, SlotPool
-from ..support import LentExport, RegistrationCache, Releaser, check_range, lend
+from ..support import LentExport, RegistrationCache, Releaser, lend
 from . import _blobs as blobs
-from ._blobs import Lent, Mem, Region, Span
+from ._blobs import Lent, Mem
 from ._engine import (
     Agent,
     AgentFactory,
     NixlAgent,
-    Registration,
-    StuckRead,
     agent_name,
     check_agent,
     load_api,
     load_checked,
-    read,
 )
 from ._memory import LentRegistration, Memory, new_pool, registration_cache
+from ._reading import Loaded, Remote, SpanImport
 
 __all__ = ["NixlBackend"]
 
@@ -88,200 +86,6 @@ class _Export(Export):
         self.lease.release()
 
 
-class _Loaded:
-    """A registration of a peer (dedicated or lent) made known to our agent."""
-
-    __slots__ = ("metadata", "region", "users")
-
-    def __init__(self, region: Region, metadata: bytes) -> None:
-        self.region = region
-        self.metadata = metadata
-        self.users = 0
-
-
-class _Remote:
-    """What the receiver knows of a peer's agent."""
-
-    def __init__(self, peer: PeerInfo, hello: blobs.PiecesHello) -> None:
-        self.peer = peer.name
-        self.key = peer.key
-        self.agent = hello.agent
-        self.metadata = hello.metadata
-        self.pools = list(hello.pools)
-        self.pieces = hello.pieces
-        self.alive = True
-        self.active = 0  # reads in flight
-        self.idle: anyio.Event | None = None
-        self.refreshing: anyio.Event | None = None
-        self.lock = anyio.Lock()  # loads of registrations and reloads
-        self.loaded: dict[tuple[int, int, int, str], _Loaded] = {}
-
-
-class _Import(Import):
-    """READs of the peer's spans, into ``dest`` (registered) or a landing slot."""
-
-    def __init__(
-        self,
-        backend: NixlBackend,
-        peer: PeerInfo,
-        nbytes: int,
-        remote: _Remote,
-        spans: list[Span],
-        loaded: list[_Loaded],
-    ) -> None:
-        super().__init__(backend, peer, nbytes)
-        self.nx = backend
-        self.remote = remote
-        self.spans = spans
-        self.loaded = loaded
-        self.landing: Lease[Memory] | None = None
-        self.dest: torch.Tensor | None = None
-        self.dest_registration: Registration | None = None
-        self.what = f"an object of {nbytes} B from {remote.peer!r}"
-        if nbytes == 0:
-            self.buffer = torch.empty(0, dtype=torch.uint8)
-
-    async def fetch(self, lo: int, hi: int, dest: torch.Tensor | None = None) -> None:
-        nx = self.nx
-        agent = nx._live_agent()
-        if self.closed:
-            raise BackendError("nixl: fetch on a closed import")
-        check_range(lo, hi, self.nbytes, "nixl")
-        if hi == lo:
-            return
-        remote = self.remote
-        while remote.refreshing is not None:
-            await remote.refreshing.wait()
-        if not remote.alive:
-            raise BackendError(f"nixl: peer {remote.peer!r} is gone")
-        direct = (
-            dest is not None
-            and self.nbytes >= nx.register_dest_min
-            and dest.dtype == torch.uint8
-            and dest.dim() == 1
-            and dest.is_contiguous()
-            and dest.numel() >= hi
-            and dest.device.type in ("cpu", "cuda")
-        )
-        if not direct and self.landing is None:
-            self.landing = await nx.landing_pool().slots.take(self.nbytes, purpose="receive")
-            if dest is None:
-                self.buffer = self._landing_view()
-        if (
-            direct
-            and dest is not None
-            and self.dest is not None
-            and (self.dest.data_ptr(), self.dest.numel()) != (dest.data_ptr(), dest.numel())
-        ):
-            self._drop_dest()  # another destination than the last fetch's
-        register = direct and self.dest_registration is None
-        timeout = nx.timeout_for(hi - lo)
-
-        def run() -> None:
-            if direct:
-                assert dest is not None
-                kind: Mem = "VRAM" if dest.is_cuda else "DRAM"
-                dev = dest.device.index or 0
-                if self.dest_registration is None:
-                    region = Region(dest.data_ptr(), dest.numel(), dev, kind)
-                    self.dest_registration = agent.register(region)
-                    self.dest = dest
-                base, local = dest.data_ptr(), (dev, str(kind))
-            else:
-                base, local = self._landing_addr()
-            for (dev, mem), group in self._groups(lo, hi):
-                read(
-                    agent,
-                    [(base + at, addr, n) for at, addr, n in group],
-                    local,
-                    remote.agent,
-                    (dev, mem),
-                    timeout,
-                    self.what,
-                    lambda: not remote.alive or nx._closed,
-                )
-            if direct and hi == self.nbytes and self.dest_registration is not None:
-                registration, self.dest_registration, self.dest = self.dest_registration, None, None
-                agent.deregister(registration)
-            elif not direct and dest is not None:
-                dest[lo:hi].copy_(self._landing_view()[lo:hi])
-
-        error: BackendError | None = None
-        nx._active += 1
-        remote.active += 1
-        try:
-            await anyio.to_thread.run_sync(run)
-        except BackendError as exc:
-            error = exc
-        finally:
-            nx._active -= 1
-            remote.active -= 1
-            if remote.active == 0 and remote.idle is not None:
-                remote.idle.set()
-            if nx._active == 0 and nx._idle is not None:
-                nx._idle.set()
-        if error is None:
-            nx.counters["reads"] += 1
-            nx.counters["dest_registrations"] += register
-            return
-        if isinstance(error, StuckRead):
-            self._quarantine(dest)
-        await nx._recover(remote)
-        raise error
-
-    def _groups(self, lo: int, hi: int) -> list[tuple[tuple[int, str], list[tuple[int, int, int]]]]:
-        """The reads of bytes ``[lo, hi)``: ``(at, remote addr, length)``, grouped by the
-        remote memory kind (one READ transfer per group)."""
-        groups: dict[tuple[int, str], list[tuple[int, int, int]]] = {}
-        for s in self.spans:
-            a, b = max(lo, s.at), min(hi, s.at + s.length)
-            if a < b:
-                groups.setdefault((s.dev, s.mem), []).append((a, s.addr + (a - s.at), b - a))
-        return list(groups.items())
-
-    def _landing_addr(self) -> tuple[int, tuple[int, str]]:
-        lease = self.landing
-        assert lease is not None
-        if lease.buffer is not None:
-            r = lease.buffer.region
-            return r.addr, (r.dev, r.mem)
-        r = self.nx.landing_pool().memory.region
-        return r.addr + lease.offset, (r.dev, r.mem)
-
-    def _landing_view(self) -> torch.Tensor:
-        lease = self.landing
-        assert lease is not None
-        if lease.buffer is not None:
-            return lease.buffer.tensor[: self.nbytes]
-        return self.nx.landing_pool().memory.tensor[lease.offset : lease.offset + self.nbytes]
-
-    def _quarantine(self, dest: torch.Tensor | None) -> None:
-        """A READ could not be cancelled: keep the memory it targets out of reuse."""
-        if self.landing is not None:
-            self.landing.quarantine()
-            self.landing = None
-        if dest is not None:
-            self.nx._quarantined.append(dest)  # the caller's block stays referenced
-        if self.dest_registration is not None:
-            self.nx._quarantined.append(self.dest_registration)  # stays registered
-            self.dest_registration = self.dest = None
-
-    def _drop_dest(self) -> None:
-        registration, self.dest_registration, self.dest = self.dest_registration, None, None
-        agent = self.nx._agent
-        if registration is not None and agent is not None:
-            self.nx._releaser.submit(agent.deregister, registration)
-
-    def _close(self) -> None:
-        for entry in self.loaded:
-            entry.users -= 1
-        self.loaded = []
-        if self.landing is not None:
-            self.landing.release()
-            self.landing = None
-        self._drop_dest()  # closed before the last range arrived
-
-
 class NixlBackend(ByteBackend):
     """NIXL over UCX. Options: see the package docstring."""
 
@@ -317,7 +121,7 @@ class NixlBackend(ByteBackend):
         self._info = b""
         self._releaser = Releaser("omniwire-nixl")
         self._registrations: RegistrationCache[LentRegistration] | None = None
-        self._remotes: dict[tuple[str, int], _Remote] = {}
+        self._remotes: dict[tuple[str, int], Remote] = {}
         self._quarantined: list[object] = []  # what a READ that could not be cancelled may hit
         self._active = 0
         self._idle: anyio.Event | None = None
@@ -424,7 +228,7 @@ class NixlBackend(ByteBackend):
             if old.agent == hello.agent and old.metadata == hello.metadata:
                 return
             await self.disconnect(peer)
-        remote = _Remote(peer, hello)
+        remote = Remote(peer, hello)
 
         def load() -> None:
             agent.unload(hello.agent)  # a stale copy (the same agent seen before)
@@ -493,7 +297,7 @@ class NixlBackend(ByteBackend):
 
     # -- helpers ---------------------------------------------------------------------------
 
-    async def _wait_idle(self, remote: _Remote) -> None:
+    async def _wait_idle(self, remote: Remote) -> None:
         while remote.active:
             if remote.idle is None or remote.idle.is_set():
                 remote.idle = anyio.Event()
@@ -519,7 +323,7 @@ class NixlBackend(ByteBackend):
             raise BackendError("nixl: no host-memory pool (pool_size=0) to read into")
         return pool
 
-    async def _load(self, remote: _Remote, lent: Lent) -> _Loaded:
+    async def _load(self, remote: Remote, lent: Lent) -> Loaded:
         """Make a registration of the peer known to our agent; count one user."""
         agent = self._live_agent()
         region, metadata = lent.region, lent.metadata
@@ -542,11 +346,11 @@ class NixlBackend(ByteBackend):
             except BackendError:
                 await self._reload(remote)  # NIXL refused it against a stale entry
                 await anyio.to_thread.run_sync(agent.load, metadata)
-            entry = remote.loaded[region.key] = _Loaded(region, metadata)
+            entry = remote.loaded[region.key] = Loaded(region, metadata)
             entry.users += 1
             return entry
 
-    async def _reload(self, remote: _Remote) -> None:
+    async def _reload(self, remote: Remote) -> None:
         """Forget everything the agent knows of the peer and load its metadata again
         (with the registrations still in use), once no read from it is in flight. The
         caller holds ``remote.lock``.
@@ -580,7 +384,7 @@ class NixlBackend(ByteBackend):
             remote.refreshing = None
             event.set()
 
-    async def _recover(self, remote: _Remote) -> None:
+    async def _recover(self, remote: Remote) -> None:
         """After a failed read: NIXL forgets a peer's metadata after a connection error;
         load it again, so that later objects can be read."""
         agent = self._agent
@@ -635,7 +439,7 @@ class NixlBackend(ByteBackend):
         if remote is None or not remote.alive:
             raise BackendError(f"{peer.name!r} did not announce nixl in its Hello")
         spans, lents = blobs.resolve(ref, remote.pools, nbytes, peer.name)
-        loaded: list[_Loaded] = []
+        loaded: list[Loaded] = []
         try:
             for lent in lents:
                 loaded.append(await self._load(remote, lent))
@@ -643,4 +447,4 @@ class NixlBackend(ByteBackend):
             for entry in loaded:
                 entry.users -= 1
             raise
-        return _Import(self, peer, nbytes, remote, spans, loaded)
+        return SpanImport(self, peer, nbytes, remote, spans, loaded)
