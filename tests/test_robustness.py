@@ -117,6 +117,80 @@ async def test_an_inline_chunk_with_an_overflowing_shape_is_refused(shape: tuple
             m.close()
 
 
+def _inline_body(request_id: str) -> dict[str, Any]:
+    """A valid inline chunk from mallory (16 float32s) as an editable dict."""
+    t = torch.arange(16, dtype=torch.float32)
+    layout = packing.plan([t])
+    msg = wire.DataReadyMessage(
+        request_id=request_id,
+        from_stage="mallory",
+        to_stage="victim",
+        inline=wire.InlineStreamChunkRef(
+            header=codec.dumps(t).header,
+            tensors=layout.metas,
+            data=packing.pack_bytes([t], layout),
+        ),
+    )
+    return message_body(msg)
+
+
+def _bad_table(edit: str) -> bytes:
+    body = _inline_body("bad-" + edit)
+    inline, meta = body["inline"], body["inline"]["tensors"][0]
+    if edit == "misaligned":
+        meta["offset"], inline["data"] = 4, bytes(4) + inline["data"]
+    elif edit == "beyond the data":
+        inline["data"] = inline["data"][:32]
+    elif edit == "on cuda":
+        meta["device"] = "cuda:0"
+    elif edit == "nbytes not the shape's":
+        meta["nbytes"] = 32
+    elif edit == "unknown dtype":
+        meta["dtype"] = "float7"
+    elif edit == "data too long":
+        inline["data"] = inline["data"] + bytes(wire.INLINE_MAX_TENSOR_BYTES + 64)
+    return raw_frame(body)
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        "misaligned",
+        "beyond the data",
+        "on cuda",
+        "nbytes not the shape's",
+        "unknown dtype",
+        "data too long",
+    ],
+)
+async def test_an_inline_chunk_with_a_bad_table_is_refused_before_it_is_unpacked(
+    edit: str,
+) -> None:
+    """Inline tables are checked once, when the frame is decoded, and the take path
+    trusts that check: each bad table from a raw socket is refused and counted, the
+    application sees nothing of it, and the next good chunk arrives intact."""
+    async with victim_and_friend() as (victim, friend):
+        m = DrainedMallory(victim.address)
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(m.drain)
+                await _connected_mallory(victim, m)
+                before = counter(victim, "decode_errors")
+                await m.send(_bad_table(edit))
+                await m.send(raw_frame(_inline_body("good")))
+                with anyio.fail_after(10):
+                    d = await victim.receive(from_stage="mallory")
+                assert (d.request_id, d.kind) == ("good", "stream_chunk"), d
+                assert torch.equal(d.payload, torch.arange(16, dtype=torch.float32))
+                d.release()
+                assert counter(victim, "decode_errors") == before + 1
+                assert counter(victim, "internal_errors") == 0
+                await still_serves(victim, friend, "after-" + edit)
+                tg.cancel_scope.cancel()
+        finally:
+            m.close()
+
+
 def _hostile_frames(rng: random.Random, n: int, stranger_address: str) -> list[bytes]:
     """``n`` mixed hostile frames, seeded: garbage, truncations, foreign majors,
     messages from strangers, bad ACKs, bad refs, bad Hellos, overflowing shapes."""
