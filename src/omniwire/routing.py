@@ -111,14 +111,14 @@ class RouteCache:
     def __init__(self, limit: int = 256) -> None:
         self.limit = limit
         self._exact: dict[PayloadInfo, Route] = {}
-        self._classes: dict[tuple[str, frozenset[str], int], list[Route]] = {}
+        #: (kind, devices, tensors) -> [(lo, hi, route)]
+        self._classes: dict[tuple[str, frozenset[str], int], list[tuple[int, int, Route]]] = {}
 
     def get(self, info: PayloadInfo) -> Route | None:
         route = self._exact.get(info)
         if route is None:
-            for r in self._classes.get((info.kind, info.devices, info.tensors), ()):
-                assert r.sizes is not None
-                if r.sizes[0] <= info.nbytes <= r.sizes[1]:
+            for lo, hi, r in self._classes.get((info.kind, info.devices, info.tensors), ()):
+                if lo <= info.nbytes <= hi:
                     return r
         return route
 
@@ -126,9 +126,11 @@ class RouteCache:
         if len(self._exact) + len(self._classes) >= self.limit:
             self._exact.clear()
             self._classes.clear()
-        if route.sizes is not None and route.sizes[0] <= info.nbytes <= route.sizes[1]:
-            self._classes.setdefault((info.kind, info.devices, info.tensors), []).append(route)
-        else:
+        sizes = route.sizes
+        if isinstance(sizes, tuple) and len(sizes) == 2 and sizes[0] <= info.nbytes <= sizes[1]:
+            key = (info.kind, info.devices, info.tensors)
+            self._classes.setdefault(key, []).append((sizes[0], sizes[1], route))
+        else:  # no class, or one that does not hold its own payload: this shape only
             self._exact[info] = route
 
 

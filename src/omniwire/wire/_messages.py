@@ -10,7 +10,7 @@ field never changes type; readers ignore fields they do not know.
 
 from __future__ import annotations
 
-from typing import Literal, NoReturn
+from typing import Literal
 
 import msgspec
 
@@ -237,9 +237,11 @@ class InlineStreamChunkRef(_Base, frozen=True, kw_only=True):
                 f"InlineStreamChunkRef.tensors has {len(self.tensors)} entries; limit {MAX_TENSORS}"
             )
         total = 0
-        for t in self.tensors:  # one pass; _refuse_entry says which entry is wrong and why
-            if t.offset % ALIGNMENT or t.offset + t.nbytes > size or t.device != "cpu":
-                self._refuse_entry(size)
+        for i, t in enumerate(self.tensors):
+            if t.offset % ALIGNMENT or t.offset + t.nbytes > size:
+                _check_packed("InlineStreamChunkRef", self.tensors, size)  # says which, why
+            if t.device != "cpu":
+                raise ValueError(f"InlineStreamChunkRef.tensors[{i}] is on {t.device}, not cpu")
             total += t.nbytes
         if total > INLINE_MAX_TENSOR_BYTES:
             raise ValueError(
@@ -248,13 +250,6 @@ class InlineStreamChunkRef(_Base, frozen=True, kw_only=True):
             )
         if size > INLINE_MAX_TENSOR_BYTES + ALIGNMENT * len(self.tensors):
             raise ValueError(f"InlineStreamChunkRef.data is {len(self.data)} bytes: too long")
-
-    def _refuse_entry(self, size: int) -> NoReturn:
-        _check_packed("InlineStreamChunkRef", self.tensors, size)
-        for i, t in enumerate(self.tensors):
-            if t.device != "cpu":
-                raise ValueError(f"InlineStreamChunkRef.tensors[{i}] is on {t.device}, not cpu")
-        raise AssertionError("an entry failed a check that _check_packed passed")
 
 
 class DeviceInfo(_Base, frozen=True, kw_only=True):

@@ -141,21 +141,9 @@ class Session(Generic[O, I]):
 
     def check(self, msg: Message) -> None:
         """Raise RemoteProtocolError if ``msg`` is illegal from this peer now."""
-        kind = type(msg)
-        if kind not in _LEGAL[self.state]:
+        if type(msg) not in _LEGAL[self.state]:
             when = "after its Goodbye" if self.state is PeerState.CLOSED else "before its Hello"
-            raise RemoteProtocolError(f"{kind.__name__} from {self.peer_name!r} {when}")
-        if type(msg) is DataReadyMessage:  # the common case first, without the chain below
-            if msg.to_stage != self.local_name:
-                raise RemoteProtocolError(
-                    f"DataReadyMessage from {self.peer_name!r} is addressed to "
-                    f"{msg.to_stage!r}, not {self.local_name!r}"
-                )
-            if msg.data_ref is not None and msg.data_ref.object_id in self.inbound:
-                raise RemoteProtocolError(
-                    f"{self.peer_name!r} announced object {msg.data_ref.object_id} twice"
-                )
-            return
+            raise RemoteProtocolError(f"{type(msg).__name__} from {self.peer_name!r} {when}")
         if (
             isinstance(msg, DataReadyMessage | DataProgressMessage | DataAckMessage)
             and msg.to_stage != self.local_name
@@ -164,8 +152,8 @@ class Session(Generic[O, I]):
                 f"{type(msg).__name__} from {self.peer_name!r} is addressed to "
                 f"{msg.to_stage!r}, not {self.local_name!r}"
             )
-        if isinstance(msg, DataReadyMessage) and msg.data_ref is not None:
-            if msg.data_ref.object_id in self.inbound:
+        if isinstance(msg, DataReadyMessage):  # the common case ends here
+            if msg.data_ref is not None and msg.data_ref.object_id in self.inbound:
                 raise RemoteProtocolError(
                     f"{self.peer_name!r} announced object {msg.data_ref.object_id} twice"
                 )
