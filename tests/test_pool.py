@@ -239,3 +239,30 @@ def test_host_memory_and_ranges() -> None:
     with pytest.raises(BackendError, match="outside"):
         check_range(3, 2, 5, "x")
     time.sleep(0)
+
+
+def test_poll_until_never_sleeps_past_a_32nd_of_the_wait_so_far(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The promise that bounds a transfer's overshoot to ~3 %: each sleep is at most
+    1/32 of the time already waited (10 µs at least, 500 µs at most). A fake clock
+    advanced only by the sleeps, so nothing here depends on the machine's speed."""
+    from omniwire.backends import support
+
+    now = [0.0]
+    sleeps: list[tuple[float, float]] = []  # (waited so far, sleep)
+
+    def sleep(s: float) -> None:
+        sleeps.append((now[0], s))
+        now[0] += s
+
+    monkeypatch.setattr(support.time, "sleep", sleep)
+    monkeypatch.setattr(support.time, "monotonic", lambda: now[0])
+    poll_until(lambda: now[0] >= 0.05, timeout=5, what="x")
+    assert sleeps and now[0] >= 0.05
+    for waited, s in sleeps:
+        assert s <= max(support.POLL_MIN_S, min(support.POLL_MAX_S, waited / 32)) + 1e-12, (
+            waited,
+            s,
+        )
+    assert now[0] - 0.05 <= max(support.POLL_MIN_S, 0.05 / 32) * 1.05  # the overshoot

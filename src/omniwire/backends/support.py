@@ -194,9 +194,9 @@ def poll_until(
 ) -> None:
     """Call ``done()`` until it returns True; blocking (run it in a worker thread).
 
-    Between checks it sleeps 10 µs, doubling up to 500 µs but never more than 1/32
-    of the time waited so far: a wake-up adds at most ~3 % to a long transfer and
-    little to a short one, and the core stays free for the engine. ``spin`` never
+    Between checks it sleeps 1/32 of the time waited so far (at least 10 µs, at most
+    500 µs): a wake-up adds at most ~3 % to a transfer, and the core stays free for
+    the engine. ``spin`` never
     sleeps (benchmarks of the bare engine).
 
     Raises:
@@ -205,7 +205,6 @@ def poll_until(
         Whatever ``done()`` raises (the engine's failure).
     """
     started = time.monotonic()
-    delay = POLL_MIN_S
     while not done():
         elapsed = time.monotonic() - started
         if cancelled is not None and cancelled():
@@ -213,8 +212,7 @@ def poll_until(
         if elapsed > timeout:
             raise TransferTimeoutError(f"{what} did not finish within {timeout:g} s")
         if not spin:
-            time.sleep(delay)
-            delay = min(POLL_MAX_S, max(delay * 2, elapsed / 32))
+            time.sleep(min(POLL_MAX_S, max(POLL_MIN_S, elapsed / 32)))
 
 
 class Releaser:
