@@ -286,3 +286,18 @@ def test_a_class_route_explains_the_sizes_it_holds_for() -> None:
     assert big.sizes is not None and big.sizes[0] == (16 << 10) + 1
     assert big.reason.startswith("same host, stream chunk of more than 16.0 KiB with cpu")
     assert ("inline", "carries at most 16.0 KiB") in big.rejected
+
+
+@pytest.mark.parametrize("sizes", [(10, 5), (0, 50), "junk", (1,)], ids=str)
+def test_a_route_whose_sizes_do_not_hold_its_own_payload_is_reused_for_that_shape_only(
+    sizes: object,
+) -> None:
+    """A third-party policy's ``sizes`` that is malformed, or that does not contain the
+    payload asked about, is not trusted for other sizes (and never raises)."""
+    from omniwire.routing import RouteCache
+
+    cache, route = RouteCache(), Route("shm", "why", sizes=sizes)  # type: ignore[arg-type]
+    cache.put(info("stream_chunk", 100), route)
+    assert cache.get(info("stream_chunk", 100)) is route
+    assert cache.get(info("stream_chunk", 7)) is None
+    assert cache.get(info("stream_chunk", 101)) is None
