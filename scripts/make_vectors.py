@@ -121,6 +121,7 @@ def messages() -> dict[str, wire.Message]:
         ),
         is_reply=False,
         to_endpoint="encoder",
+        window=4 << 20,
     )
     progressive = wire.DataReadyMessage(
         request_id="req-0",
@@ -256,6 +257,7 @@ def messages() -> dict[str, wire.Message]:
         "abort_forwarded": wire.AbortMessage(
             request_id="req-0", from_stage="thinker", reason="client went away", origin="encoder"
         ),
+        "window": wire.WindowMessage(from_stage="encoder", to_stage="thinker", increment=1 << 20),
         "goodbye": wire.GoodbyeMessage(
             from_stage="thinker", instance=1234567890123, reason="endpoint closed"
         ),
@@ -466,7 +468,7 @@ def _without(msg: wire.Message, *fields: str) -> dict[str, Any]:
 def compat() -> dict[str, tuple[bytes, wire.Message]]:
     """1.0 frames (no 1.1 field, minor 0) and what a 1.1 reader decodes them to."""
     msgs = messages()
-    hello10 = msgspec.structs.replace(msgs["hello"], wire_max=(1, 0), to_endpoint="")
+    hello10 = msgspec.structs.replace(msgs["hello"], wire_max=(1, 0), to_endpoint="", window=0)
     ack10 = wire.DataAckMessage(
         object_id=18, from_stage="encoder", to_stage="thinker", success=False, error="x"
     )
@@ -474,7 +476,7 @@ def compat() -> dict[str, tuple[bytes, wire.Message]]:
     ready10 = msgspec.structs.replace(msgs["data_ready_inline"], traceparent="")
     return {
         "hello_1_0": (
-            _frame(_without(hello10, "to_endpoint", "ring", "ring_attached"), minor=0),
+            _frame(_without(hello10, "to_endpoint", "ring", "ring_attached", "window"), minor=0),
             hello10,
         ),
         "data_ack_1_0": (_frame(_without(ack10, "reason"), minor=0), ack10),

@@ -62,6 +62,7 @@ def test_every_message_type_has_a_vector() -> None:
         "data_ack",
         "abort",
         "goodbye",
+        "window",
         "refusal",
         "batch",
     }

@@ -165,14 +165,20 @@ class _Dumper:
             self.paths.append(_format_path(path))
         return index
 
-    def _key(self, key: Any, path: _Path) -> Any:
+    def _key(self, key: Any, path: _Path, depth: int) -> Any:
+        """A dict key as msgpack-ready data; ``depth`` counts its enclosing containers."""
         kind = type(key)
         if kind in _KEY_SCALARS:
             if kind is int and not _I64_MIN <= key <= _U64_MAX:
                 raise TypeError(f"{_format_path(path)}: dict key {key} does not fit in 64 bits")
             return key
         if kind is tuple:  # a msgpack array in key position always decodes as a tuple
-            return tuple(self._key(k, path) for k in key)
+            if depth + 1 > MAX_HEADER_DEPTH:  # a key nests like a value (spec §6.2)
+                raise ValueError(
+                    f"{_format_path(path)}: payload nests deeper than {MAX_HEADER_DEPTH} levels "
+                    "(in a dict key)"
+                )
+            return tuple(self._key(k, path, depth + 1) for k in key)
         raise TypeError(
             f"{_format_path(path)}: dict key of type {kind.__name__} is not supported "
             "(use None, bool, int, float, str, bytes or a tuple of those)"
@@ -203,7 +209,9 @@ class _Dumper:
             ]
         if kind is dict:
             return {
-                self._key(k, path): v if type(v) in _SCALARS else self.walk(v, (path, k), inner)
+                self._key(k, path, inner): v
+                if type(v) in _SCALARS
+                else self.walk(v, (path, k), inner)
                 for k, v in value.items()
             }
         if kind is tuple:
@@ -429,6 +437,7 @@ def _depth(value: Any) -> int:
         elif kind is dict:
             deepest = max(deepest, level)
             stack.extend((v, level + 1) for v in item.values() if type(v) in (list, dict, tuple))
+            stack.extend((k, level + 1) for k in item if type(k) is tuple)  # keys nest too
         elif kind not in _LEAVES and (
             dataclasses.is_dataclass(item) or isinstance(item, msgspec.Struct)
         ):

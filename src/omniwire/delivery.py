@@ -70,14 +70,17 @@ class Delivery:
     #: Tensor bytes carried (the same for every backend, ``local`` included).
     nbytes: int = 0
     #: For ``error`` deliveries: ``"peer_lost"`` / ``"peer_closed"`` (the sender went
-    #: away), ``"unclaimed"`` (dropped while no consumer came for it), else None.
+    #: away), ``"unclaimed"`` (dropped while no consumer came for it), ``"stream_idle"``
+    #: (its stream had no chunk for ``stream_idle_timeout``), else None.
     cause: str | None = None
     #: ``time.monotonic()`` when it was queued for the application.
     received_at: float = field(default_factory=time.monotonic)
     #: The W3C trace context of the sender's span (``""`` if it traces nothing).
     traceparent: str = ""
     _on_release: Callable[[], None] | None = field(default=None, repr=False)
-    _budget: int | None = field(default=None, repr=False)  # receive credit held
+    _budget: int | None = field(default=None, repr=False)  # receive budget held (from_stage's)
+    #: (peer, session generation, charge): the window charge it holds (spec §7.6).
+    _window: tuple[Any, int, int] | None = field(default=None, repr=False, compare=False)
     _lent: bool = field(default=False, repr=False)  # released views of the sender's memory
     _replier: _Replier | None = field(default=None, repr=False, compare=False)
 

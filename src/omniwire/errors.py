@@ -19,6 +19,7 @@ __all__ = [
     "DrainTimeoutError",
     "EndpointClosedError",
     "EndpointNotStartedError",
+    "FrameTooLargeError",
     "HandshakeError",
     "LocalProtocolError",
     "NameClashError",
@@ -59,6 +60,11 @@ class UnsupportedVersionError(WireFormatError):
         super().__init__(message)
         self.major = major
         self.minor = minor
+
+
+class FrameTooLargeError(OmniwireError, ValueError):
+    """A message would not fit in one frame (spec §3.1: 16 MiB): its own send fails,
+    nothing else is affected. Bulk bytes belong in a tensor, which travels by backend."""
 
 
 class ProtocolError(OmniwireError):

@@ -1,40 +1,55 @@
-"""Flow control: a budget of objects and bytes in flight, granted in FIFO order."""
+"""Flow control (spec §7.2, §7.6): budgets granted in FIFO order.
+
+Three budgets, one shape — a waiter is served first come, first served, and one
+request larger than the whole budget is admitted when nothing else is held, so it
+cannot deadlock:
+
+- :class:`Credits` — the sender's objects in flight to one peer, in count and bytes;
+  an ACK or NACK returns one.
+- :class:`Window` — the sender's view of the DataReady charge one peer lets it have
+  outstanding (HTTP/2's flow-control window); the peer's WindowMessages reopen it.
+- :class:`ReceiveWindow` — the receiver's side of the same window: what one peer's
+  messages hold here until the application takes them, and when to tell the peer.
+
+:class:`FairBudget` is the receiver's budget of undelivered objects, shared by its
+peers: no peer holds more than an equal share of it while another peer waits.
+"""
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Hashable
 
 import anyio
 
-__all__ = ["Credits"]
+__all__ = ["Credits", "FairBudget", "ReceiveWindow", "Window"]
 
 
-class Credits:
-    """At most ``max_count`` objects and ``max_bytes`` bytes held at once.
+class _Waiter:
+    __slots__ = ("count", "event", "key", "nbytes")
 
-    ``acquire`` waits (backpressure) instead of over-committing; waiters are
-    served first come, first served, so a large request is not starved by small
-    ones. A single request larger than ``max_bytes`` is admitted when nothing
-    else is held, so it cannot deadlock.
-    """
+    def __init__(self, nbytes: int, key: Hashable = None, count: int = 1) -> None:
+        self.nbytes = nbytes
+        self.key = key
+        self.count = count
+        self.event = anyio.Event()
 
-    def __init__(self, max_count: int, max_bytes: int) -> None:
-        if max_count < 1 or max_bytes < 1:
-            raise ValueError("credit limits must be at least 1")
-        self.max_count = max_count
-        self.max_bytes = max_bytes
-        self.count = 0
-        self.bytes = 0
+
+class _Fifo:
+    """A budget whose waiters are served in order: subclasses say what fits and take it."""
+
+    def __init__(self) -> None:
         self._waiters: deque[_Waiter] = deque()
 
     def _fits(self, nbytes: int) -> bool:
-        if self.count >= self.max_count:
-            return False
-        return self.count == 0 or self.bytes + nbytes <= self.max_bytes
+        raise NotImplementedError
+
+    def _take(self, nbytes: int) -> None:
+        raise NotImplementedError
 
     @property
     def waiting(self) -> int:
-        """How many ``acquire`` calls wait for a credit now."""
+        """How many ``acquire`` calls wait now."""
         return len(self._waiters)
 
     def would_admit(self, nbytes: int) -> bool:
@@ -42,15 +57,14 @@ class Credits:
         return not self._waiters and self._fits(nbytes)
 
     def try_acquire(self, nbytes: int) -> bool:
-        """Take a credit if one is free now and nobody is queued ahead."""
+        """Take ``nbytes`` if they fit now and nobody is queued ahead."""
         if self._waiters or not self._fits(nbytes):
             return False
-        self.count += 1
-        self.bytes += nbytes
+        self._take(nbytes)
         return True
 
     async def acquire(self, nbytes: int) -> None:
-        """Wait for a credit of ``nbytes``. Cancellation leaves nothing held."""
+        """Wait until ``nbytes`` fit, then take them. Cancellation leaves nothing held."""
         if self.try_acquire(nbytes):
             return
         waiter = _Waiter(nbytes)
@@ -60,8 +74,7 @@ class Credits:
                 await waiter.event.wait()
                 if self._waiters[0] is waiter and self._fits(nbytes):
                     self._waiters.popleft()
-                    self.count += 1
-                    self.bytes += nbytes
+                    self._take(nbytes)
                     self._wake()  # the next one may fit too
                     return
                 waiter.event = anyio.Event()
@@ -75,6 +88,28 @@ class Credits:
         if self._waiters and self._fits(self._waiters[0].nbytes):
             self._waiters[0].event.set()
 
+
+class Credits(_Fifo):
+    """At most ``max_count`` objects and ``max_bytes`` bytes held at once."""
+
+    def __init__(self, max_count: int, max_bytes: int) -> None:
+        if max_count < 1 or max_bytes < 1:
+            raise ValueError("credit limits must be at least 1")
+        super().__init__()
+        self.max_count = max_count
+        self.max_bytes = max_bytes
+        self.count = 0
+        self.bytes = 0
+
+    def _fits(self, nbytes: int) -> bool:
+        if self.count >= self.max_count:
+            return False
+        return self.count == 0 or self.bytes + nbytes <= self.max_bytes
+
+    def _take(self, nbytes: int) -> None:
+        self.count += 1
+        self.bytes += nbytes
+
     def release(self, nbytes: int) -> None:
         """Return a credit taken with ``acquire``/``try_acquire``."""
         self.count -= 1
@@ -83,9 +118,158 @@ class Credits:
         self._wake()
 
 
-class _Waiter:
-    __slots__ = ("event", "nbytes")
+class Window(_Fifo):
+    """The sender's side of a peer's receive window of ``size`` bytes (spec §7.6).
 
-    def __init__(self, nbytes: int) -> None:
-        self.nbytes = nbytes
-        self.event = anyio.Event()
+    ``acquire(charge)`` before a DataReady is posted; :meth:`reopen` when the peer's
+    WindowMessage arrives. A message charged more than the whole window goes when
+    nothing is outstanding. ``size`` 0: the peer grants no window (an older peer):
+    nothing waits here.
+    """
+
+    def __init__(self, size: int) -> None:
+        super().__init__()
+        self.size = size
+        self.available = size
+
+    def _fits(self, nbytes: int) -> bool:
+        return self.size == 0 or nbytes <= self.available or self.available >= self.size
+
+    def _take(self, nbytes: int) -> None:
+        if self.size:
+            self.available -= nbytes
+
+    def reopen(self, increment: int) -> None:
+        """The peer took ``increment`` bytes of charge; more than it was charged is ignored."""
+        self.available = min(self.size, self.available + increment)
+        self._wake()
+
+
+class ReceiveWindow:
+    """The receiver's side of one peer's window of ``size`` bytes (spec §7.6).
+
+    :meth:`charge` on every DataReady from the peer; False means the peer overran
+    the window it was granted (it ends its own session). :meth:`credit` when what the
+    message carried left this endpoint (taken by the application, or dropped);
+    returns the increment to announce in a WindowMessage now, or 0: returns are
+    batched until a quarter of the window is free, or until the peer holds nothing
+    here (so a sender waiting to send one message larger than what is free is told).
+    """
+
+    __slots__ = ("held", "size", "unreported")
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.held = 0  # charge of the peer's messages still here
+        self.unreported = 0  # charge given back and not yet announced to the peer
+
+    def charge(self, nbytes: int) -> bool:
+        before = self.held + self.unreported  # what the sender believes is outstanding
+        self.held += nbytes
+        return before == 0 or before + nbytes <= self.size
+
+    def credit(self, nbytes: int) -> int:
+        self.held -= nbytes
+        self.unreported += nbytes
+        if self.unreported >= self.size // 4 or self.held == 0:
+            increment, self.unreported = self.unreported, 0
+            return increment
+        return 0
+
+
+class FairBudget:
+    """The receiver's budget of undelivered objects (``max_count``, ``max_bytes``),
+    shared by its peers (``key``): while another peer waits, a peer that holds some
+    of it may hold at most ``max_bytes / active`` (``active``: peers holding or
+    waiting), so one peer's slow or stalled objects cannot keep the others out. A
+    peer holding nothing may always take one object that fits, and one larger than
+    the whole budget goes when nothing is held. Waiters that may go are served in
+    arrival order. An object may grow (``count=0``: more bytes of one held object,
+    as a progressive object's bytes are announced).
+    """
+
+    def __init__(self, max_count: int, max_bytes: int) -> None:
+        if max_count < 1 or max_bytes < 1:
+            raise ValueError("budget limits must be at least 1")
+        self.max_count = max_count
+        self.max_bytes = max_bytes
+        self.count = 0
+        self.bytes = 0
+        self._held: dict[Hashable, int] = {}  # key -> bytes held (at most one per peer)
+        self._waiters: list[_Waiter] = []  # at most one per peer's take path, in order
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiters)
+
+    def held_by(self, key: Hashable) -> int:
+        return self._held.get(key, 0)
+
+    def _may(self, key: Hashable, nbytes: int, count: int) -> bool:
+        if count and self.count >= self.max_count:
+            return False
+        if self.bytes and self.bytes + nbytes > self.max_bytes:
+            return False
+        if not any(w.key != key for w in self._waiters):
+            return True
+        mine = self._held.get(key, 0)
+        if mine == 0 and count:
+            return True
+        active = len({*self._held, *(w.key for w in self._waiters), key})
+        return mine + nbytes <= self.max_bytes // active
+
+    def would_admit(self, key: Hashable, nbytes: int) -> bool:
+        return not self._waiters and self._may(key, nbytes, 1)
+
+    def try_acquire(self, key: Hashable, nbytes: int, count: int = 1) -> bool:
+        if self._waiters or not self._may(key, nbytes, count):
+            return False
+        self._take(key, nbytes, count)
+        return True
+
+    def _take(self, key: Hashable, nbytes: int, count: int) -> None:
+        self.count += count
+        self.bytes += nbytes
+        self._held[key] = self._held.get(key, 0) + nbytes
+
+    async def acquire(self, key: Hashable, nbytes: int, count: int = 1) -> None:
+        """Wait for ``nbytes`` (and ``count`` objects) of the budget for ``key``.
+        Cancellation leaves nothing held."""
+        if self.try_acquire(key, nbytes, count):
+            return
+        waiter = _Waiter(nbytes, key, count)
+        self._waiters.append(waiter)
+        self._wake()  # it may go at once, past waiters that may not
+        try:
+            while True:
+                await waiter.event.wait()
+                if self._may(key, nbytes, count):
+                    self._waiters.remove(waiter)
+                    self._take(key, nbytes, count)
+                    self._wake()
+                    return
+                waiter.event = anyio.Event()
+        except BaseException:
+            if waiter in self._waiters:
+                self._waiters.remove(waiter)
+                self._wake()
+            raise
+
+    def release(self, key: Hashable, nbytes: int, count: int = 1) -> None:
+        """Give back what ``key`` took (all its acquisitions of one object at once)."""
+        self.count -= count
+        self.bytes -= nbytes
+        left = self._held.get(key, 0) - nbytes
+        assert self.count >= 0 and self.bytes >= 0 and left >= 0, "budget released twice"
+        if left:
+            self._held[key] = left
+        else:
+            self._held.pop(key, None)
+        self._wake()
+
+    def _wake(self) -> None:
+        """Wake the first waiter that may go now (it checks again when it runs)."""
+        for waiter in self._waiters:
+            if self._may(waiter.key, waiter.nbytes, waiter.count):
+                waiter.event.set()
+                return

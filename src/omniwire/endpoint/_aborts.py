@@ -18,6 +18,8 @@ from collections.abc import Iterator
 
 import anyio
 
+from ..errors import RequestAbortedError
+
 __all__ = ["ABORT_MEMORY", "Aborts", "SendGuard"]
 
 #: How many aborted request ids (and request → peers entries) an endpoint remembers.
@@ -44,7 +46,7 @@ class Aborts:
 
     def __init__(self, memory: int = ABORT_MEMORY) -> None:
         self.memory = memory
-        self._aborted: OrderedDict[str, str] = OrderedDict()  # request id -> origin
+        self._aborted: OrderedDict[str, str] = OrderedDict()  # request id -> why (origin: reason)
         self._peers_of: OrderedDict[str, set[str]] = OrderedDict()
         self._guards: dict[str, set[SendGuard]] = {}
 
@@ -89,14 +91,20 @@ class Aborts:
     def is_aborted(self, request_id: str) -> bool:
         return request_id in self._aborted
 
-    def remember(self, request_id: str, origin: str) -> bool:
+    def remember(self, request_id: str, origin: str, reason: str = "") -> bool:
         """Record an abort; True the first time this request id is aborted."""
         first = request_id not in self._aborted
-        self._aborted[request_id] = origin
+        if first:
+            self._aborted[request_id] = f"by {origin!r}" + (f": {reason}" if reason else "")
         self._aborted.move_to_end(request_id)
         while len(self._aborted) > self.memory:
             self._aborted.popitem(last=False)
         return first
+
+    def error(self, request_id: str) -> RequestAbortedError:
+        """The error a send of an aborted request raises, naming who aborted it and why."""
+        why = self._aborted.get(request_id, "")
+        return RequestAbortedError(f"request {request_id!r} was aborted {why}".rstrip())
 
     def note_peer(self, request_id: str, peer: str) -> None:
         """``peer`` has seen ``request_id``: we sent it data of it, or it sent us some.
@@ -107,6 +115,10 @@ class Aborts:
             while len(self._peers_of) > self.memory:
                 self._peers_of.popitem(last=False)
         peers.add(peer)
+
+    def seen(self, request_id: str) -> bool:
+        """Whether data of ``request_id`` went through this endpoint (to or from a peer)."""
+        return request_id in self._peers_of
 
     def peers_of(self, request_id: str) -> set[str]:
         """The peers that have seen ``request_id`` through this endpoint (forgotten after)."""

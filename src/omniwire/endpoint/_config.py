@@ -50,6 +50,10 @@ class EndpointConfig:
     zero_copy: bool
     receive_buffer: int
     receive_buffer_bytes: int
+    receive_window: int
+    max_open_streams: int
+    stream_idle_timeout: float
+    max_ack_timeouts: int
     allow_pickle: bool
     auth_key: str | bytes | None
     host_id: str | None
@@ -113,9 +117,9 @@ class EndpointConfig:
                     f"routes[{edge!r}] names backend {backend!r}, which is not registered; "
                     f"registered: {', '.join(sorted(registered | {INLINE.name}))}"
                 )
-        for key in ("max_inflight", "receive_buffer", "max_peers"):
+        for key in ("max_inflight", "receive_buffer", "max_peers", "max_open_streams"):
             _positive(key, numbers[key], integer=True)
-        for key in ("max_inflight_bytes", "receive_buffer_bytes"):
+        for key in ("max_inflight_bytes", "receive_buffer_bytes", "max_ack_timeouts"):
             _positive(key, numbers[key], integer=True)
         for key in (
             "ack_timeout",
@@ -123,8 +127,18 @@ class EndpointConfig:
             "unclaimed_timeout",
             "peer_timeout",
             "heartbeat_interval",
+            "stream_idle_timeout",
         ):
             _positive(key, numbers[key])
+        if (
+            isinstance(numbers["receive_window"], bool)
+            or not isinstance(numbers["receive_window"], int)
+            or numbers["receive_window"] < 4096
+        ):
+            raise ConfigurationError(
+                f"receive_window must be an integer of at least 4096 bytes, not "
+                f"{numbers['receive_window']!r}"
+            )
         if numbers["progressive_chunk"] < 0:
             raise ConfigurationError(
                 f"progressive_chunk must be >= 0 (0 disables), not {numbers['progressive_chunk']!r}"

@@ -23,10 +23,19 @@ after its request's ``stream_end``, ``error`` or ``aborted`` delivery.
 
 Budget. Undelivered objects are bounded (``receive_buffer`` deliveries,
 ``receive_buffer_bytes`` bytes): the receiver takes a share of the budget before
-it copies an object and the share comes back when a consumer takes the delivery,
-so a slow application makes the receiver stop taking — and so stop acknowledging
-— instead of growing memory. Inline chunks, stream ends, errors and aborts are
-small and take no share.
+it copies an object (a progressive one: as its bytes are announced) and the share
+comes back when a consumer takes the delivery, so a slow application makes the
+receiver stop taking — and so stop acknowledging — instead of growing memory. The
+budget is shared fairly (:class:`~omniwire.flow.FairBudget`): while another peer
+waits, no peer holds more than an equal share. Everything else a message carries —
+inline data, headers, metadata, stream ends, errors — holds its charge against its
+peer's window (spec §7.6) until its delivery is taken or dropped (``on_window``).
+
+Dispatch. ``requests()`` finds the oldest request nobody holds in O(1): the
+queue keeps the ids of unheld requests with queued deliveries in order (a request
+let go with deliveries still queued goes to the back). Unscoped consumers take the
+oldest unheld delivery in arrival order: O(1) while nothing is held, else a walk
+past the held ones (counted in ``counters["deliveries_scanned"]``).
 
 Deliveries nobody asks for. A delivery of a request nobody holds, waiting while
 its consumer never comes (a reply that arrives after its requester gave up, say),
@@ -53,7 +62,7 @@ import anyio
 
 from ..delivery import Delivery
 from ..errors import EndpointClosedError, EndpointNotStartedError
-from ..flow import Credits
+from ..flow import FairBudget
 
 if TYPE_CHECKING:
     from ._core import Core
@@ -96,10 +105,14 @@ class Deliveries:
     def __init__(self, core: Core) -> None:
         cfg = core.config
         self.core = core
-        self.budget = Credits(cfg.receive_buffer, cfg.receive_buffer_bytes)
+        self.budget = FairBudget(cfg.receive_buffer, cfg.receive_buffer_bytes)
         self._seq = itertools.count()
         self._all: OrderedDict[int, Delivery] = OrderedDict()
         self._by_request: dict[str, OrderedDict[int, Delivery]] = {}
+        #: ids of requests with queued deliveries and no hold, oldest first (a set)
+        self._unheld: dict[str, None] = {}
+        #: Told when a delivery that holds a window charge leaves the queue.
+        self.on_window: Any = None
         #: request id -> {stage filter (None: every stage) -> streams/receives holding it}
         self._holds: dict[str, dict[str | None, int]] = {}
         self._scoped: dict[str, list[_Consumer]] = {}  # waiting, by request id
@@ -121,6 +134,8 @@ class Deliveries:
         queue = self._by_request.get(rid)
         if queue is None:
             queue = self._by_request[rid] = OrderedDict()
+            if rid not in self._holds:
+                self._unheld[rid] = None
         queue[seq] = delivery
         for consumer in self._scoped.get(rid, ()):
             if consumer.stage_ok(delivery):
@@ -165,10 +180,25 @@ class Deliveries:
         """
         consumer = _Consumer(None, from_stage)
         while True:
-            found = self._find(consumer)
-            if found is not None:
-                return DeliveryStream(self, found[1].request_id, from_stage)
+            rid = self._unheld_request(from_stage)
+            if rid is not None:
+                return DeliveryStream(self, rid, from_stage)
             await self._sleep(consumer, None)
+
+    def _unheld_request(self, from_stage: str | None) -> str | None:
+        """The oldest request nobody holds (whose first delivery is ``from_stage``'s)."""
+        if from_stage is None:
+            return next(iter(self._unheld), None)  # O(1)
+        scanned = 0
+        try:
+            for rid in self._unheld:
+                scanned += 1
+                first = next(iter(self._by_request[rid].values()))
+                if first.from_stage == from_stage:
+                    return rid
+            return None
+        finally:
+            self.core.counters["deliveries_scanned"] += scanned
 
     async def _wait(self, consumer: _Consumer, timeout: float | None) -> Delivery:
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -211,10 +241,15 @@ class Deliveries:
             return None
         if not self._holds and consumer.from_stage is None:
             return next(iter(self._all.items()), None)  # the common case: O(1)
-        for seq, d in self._all.items():
-            if not self._held(d) and consumer.stage_ok(d):
-                return seq, d
-        return None
+        scanned = 0
+        try:
+            for seq, d in self._all.items():
+                scanned += 1
+                if not self._held(d) and consumer.stage_ok(d):
+                    return seq, d
+            return None
+        finally:
+            self.core.counters["deliveries_scanned"] += scanned
 
     def _take(self, seq: int, d: Delivery) -> Delivery:
         self._remove(seq, d)
@@ -231,6 +266,7 @@ class Deliveries:
         del queue[seq]
         if not queue:
             del self._by_request[rid]
+            self._unheld.pop(rid, None)
         if d.cause == "unclaimed" and self._tombstones.get(rid) == seq:
             del self._tombstones[rid]
 
@@ -240,8 +276,15 @@ class Deliveries:
         holds = self._holds.get(d.request_id)
         return holds is not None and (None in holds or d.from_stage in holds or d.kind == "aborted")
 
+    def wanted(self, request_id: str) -> bool:
+        """Whether a consumer holds or waits for ``request_id``."""
+        return request_id in self._holds or request_id in self._scoped
+
     def _hold(self, request_id: str, from_stage: str | None) -> None:
-        holds = self._holds.setdefault(request_id, {})
+        holds = self._holds.get(request_id)
+        if holds is None:
+            holds = self._holds[request_id] = {}
+            self._unheld.pop(request_id, None)
         holds[from_stage] = holds.get(from_stage, 0) + 1
 
     def _release(self, request_id: str, from_stage: str | None, *, wake: bool = True) -> None:
@@ -253,6 +296,8 @@ class Deliveries:
             del holds[from_stage]
             if not holds:
                 del self._holds[request_id]
+                if request_id in self._by_request:
+                    self._unheld[request_id] = None  # to the back of the line
         queued = self._by_request.get(request_id)
         if wake and queued and self._unscoped:  # what it held is anybody's now
             for d in queued.values():
@@ -320,14 +365,17 @@ class Deliveries:
             self._give_back(d)
         self._all.clear()
         self._by_request.clear()
+        self._unheld.clear()
         self._tombstones.clear()
         for consumer in [*self._unscoped, *(c for cs in self._scoped.values() for c in cs)]:
             consumer.event.set()
 
     def _give_back(self, delivery: Delivery) -> None:
         if delivery._budget is not None:
-            self.budget.release(delivery._budget)
+            self.budget.release(delivery.from_stage, delivery._budget)
             delivery._budget = None
+        if delivery._window is not None and self.on_window is not None:
+            self.on_window(delivery)
 
 
 class DeliveryStream:

@@ -3,11 +3,22 @@
 Nothing a peer sends can stop these loops: a frame that does not decode, a
 message that is illegal now, or a bug triggered by one is counted, logged at a
 bounded rate, and dropped; the loop goes on with the next frame.
+
+Bounded work per turn: the control loop gives the event loop a turn after
+``_TURN_MESSAGES`` messages or ``_TURN_SECONDS`` of applying frames, so a backlog
+of one peer (100,000 requests in a hundred frames) holds the application, the
+other peers' ACKs and liveness for milliseconds, not seconds. A frame over 1 MiB
+(up to 65,536 tensor table entries per DataRef, each validated in Python) is
+decoded in a worker thread, so its decode does not hold the event loop either.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
+
+import anyio
 
 from .. import wire
 from ..errors import (
@@ -34,9 +45,20 @@ _FromPeer = (
     | wire.DataAckMessage
     | wire.AbortMessage
     | wire.GoodbyeMessage
+    | wire.WindowMessage
 )
 
 log = logging.getLogger("omniwire.endpoint")
+
+#: Messages applied between two turns of the event loop, at most (one frame may hold
+#: up to 4,096: a frame is never split).
+_TURN_MESSAGES = 512
+#: Seconds of applying frames between two turns of the event loop, at most.
+_TURN_SECONDS = 0.002
+#: Frames larger than this are decoded in a worker thread (see ``_on_large_frame``).
+_THREAD_DECODE = 1 << 20
+#: Frames taken from the socket at once.
+_RECV_FRAMES = 64
 
 
 class Dispatcher:
@@ -45,19 +67,30 @@ class Dispatcher:
         self.peers = peers
         self.sender = sender
         self.receiver = receiver
+        self.applied = 0  # messages applied since the control loop's last turn
 
     async def control_loop(self) -> None:
-        """Frames from every peer's PUSH into our PULL."""
+        """Frames from every peer's PUSH into our PULL, with a turn of the event loop
+        after a bounded amount of work (see the module docstring)."""
         control, receiver = self.core.control, self.receiver
+        started = time.monotonic()
         while True:
             try:
-                frames = await control.recv_many()
+                frames = await control.recv_many(_RECV_FRAMES)
             except EndpointClosedError:
                 return
             for frame in frames:
-                for peer in self.on_frame(frame, abort_channel=False):
+                if len(frame) > _THREAD_DECODE:
+                    takeable = await self._on_large_frame(frame)
+                else:
+                    takeable = self.on_frame(frame, abort_channel=False)
+                for peer in takeable:
                     if receiver.pump(peer):
                         await receiver.take_head(peer)
+                if self.applied >= _TURN_MESSAGES or time.monotonic() - started > _TURN_SECONDS:
+                    await asyncio.sleep(0)
+                    self.applied = 0
+                    started = time.monotonic()
 
     def start_ring(self, peer: Peer, reader: RingReader, generation: int) -> None:
         """Read ``peer``'s frames from its ring from now on (spec §3.6): each wake-up of
@@ -91,21 +124,40 @@ class Dispatcher:
     ) -> list[Peer]:
         """Apply one frame; returns the peers whose inbox the caller may take from now.
         ``source`` is the peer a ring frame came from: every message must be its own."""
+        self.core.counters["frames_received"] += 1
+        msg = self.decode(frame)
+        return [] if msg is None else self.apply(msg, abort_channel=abort_channel, source=source)
+
+    async def _on_large_frame(self, frame: bytes) -> list[Peer]:
+        """:meth:`on_frame` for a frame of more than ``_THREAD_DECODE`` bytes: decoded in
+        a worker thread (its validation runs Python per tensor table entry, and yields
+        the interpreter to the event loop every few ms), applied here, in order."""
+        self.core.counters["frames_received"] += 1
+        msg = await anyio.to_thread.run_sync(self.decode, frame)
+        return [] if msg is None else self.apply(msg, abort_channel=False)
+
+    def decode(self, frame: bytes) -> wire.Message | None:
+        """The frame's message; None (counted, logged at a bounded rate) if it has none."""
         core = self.core
-        core.counters["frames_received"] += 1
         try:
-            msg = wire.decode(frame)
+            return wire.decode(frame)
         except UnsupportedVersionError as exc:
             core.counters["version_refused"] += 1
             core.noisy.warning("version", "%s refused a frame: %s", core.name, exc)
-            return []
         except WireFormatError as exc:
             core.counters["decode_errors"] += 1
             core.noisy.warning(
                 "decode", "%s dropped a malformed frame (%d bytes): %s", core.name, len(frame), exc
             )
-            return []
+        return None
+
+    def apply(
+        self, msg: wire.Message, *, abort_channel: bool, source: str | None = None
+    ) -> list[Peer]:
+        """Apply a decoded frame (see :meth:`on_frame`)."""
+        core = self.core
         messages = msg.messages if isinstance(msg, wire.BatchMessage) else (msg,)
+        self.applied += len(messages)
         takeable: list[Peer] = []
         for m in messages:
             try:
@@ -143,6 +195,8 @@ class Dispatcher:
             self.receiver.on_progress(self._said_hello(msg), msg)
         elif isinstance(msg, wire.DataAckMessage):
             self.sender.on_ack(self._said_hello(msg), msg)
+        elif isinstance(msg, wire.WindowMessage):
+            self.sender.on_window(self._said_hello(msg), msg)
         elif isinstance(msg, wire.AbortMessage):
             peer = self._said_hello(msg)
             peer.session.check(msg)
@@ -182,7 +236,7 @@ class Dispatcher:
         """Apply an abort (ours when ``via`` is None, else a peer's) and, the first time
         this endpoint hears of the request's abort, pass it on."""
         core = self.core
-        first = core.aborts.remember(request_id, origin)
+        first = core.aborts.remember(request_id, origin, reason)
         core.counters["aborts"] += 1
         error = RequestAbortedError(
             f"request {request_id!r} was aborted by {origin!r}" + (f": {reason}" if reason else "")

@@ -80,6 +80,18 @@ class Endpoint(Receiving):
             share of that budget while the budget is full and other consumers wait;
             then it is dropped and its request gets an ``error`` delivery with
             ``cause="unclaimed"`` (see :meth:`deliveries`).
+        receive_window: bytes of DataReady charge (spec §7.6: every header, metadata
+            and inline byte, plus a fixed charge per message) each peer may have
+            outstanding here before it must wait; reopened as the application takes
+            deliveries. A peer that overruns it ends its own session.
+        max_open_streams: streams (requests with chunks and no end yet) one peer may
+            hold open here; the first chunk of one more is refused: its request is
+            aborted back to the sender with reason ``too_many_streams``.
+        stream_idle_timeout: seconds an open stream may go without a chunk before
+            it ends with an ``error`` delivery (``cause="stream_idle"``), and is
+            aborted back to its sender.
+        max_ack_timeouts: consecutive ACK timeouts after which a connected peer is
+            declared unresponsive and everything in flight with it is released.
         allow_pickle: accept (and allow sending) pickled header values. Only for
             trusted peers.
         auth_key: a shared secret; when set, the control plane runs ZMQ CURVE and
@@ -122,6 +134,10 @@ class Endpoint(Receiving):
         receive_buffer: int = 64,
         receive_buffer_bytes: int = 1 << 30,
         unclaimed_timeout: float = 30.0,
+        receive_window: int = 4 << 20,
+        max_open_streams: int = 4096,
+        stream_idle_timeout: float = 300.0,
+        max_ack_timeouts: int = 3,
         allow_pickle: bool = False,
         auth_key: str | bytes | None = None,
         host_id: str | None = None,
@@ -148,6 +164,10 @@ class Endpoint(Receiving):
             receive_buffer=receive_buffer,
             receive_buffer_bytes=receive_buffer_bytes,
             unclaimed_timeout=unclaimed_timeout,
+            receive_window=receive_window,
+            max_open_streams=max_open_streams,
+            stream_idle_timeout=stream_idle_timeout,
+            max_ack_timeouts=max_ack_timeouts,
             allow_pickle=allow_pickle,
             auth_key=auth_key,
             host_id=host_id,
@@ -158,6 +178,7 @@ class Endpoint(Receiving):
         key = auth_key if auth_key is not None else os.environ.get("OMNIWIRE_AUTH_KEY") or None
         self._core = core = Core.assemble(cfg, key, as_observer(observer))
         self._peers = PeerTable(core, self._on_ready, self._on_gone, self._on_ring)
+        core.outbox.on_broken = self._on_broken
         trace = os.environ.get("OMNIWIRE_TRACE", "") not in ("", "0")
         self._sender = Sender(core, self._peers, trace)
         self._receiver = Receiver(core, self._peers)
@@ -429,6 +450,13 @@ class Endpoint(Receiving):
     ) -> None:
         self._sender.on_peer_gone(peer, out, error)
         self._receiver.on_peer_gone(peer, inn, cause, error)
+
+    def _on_broken(self, name: str, error: OmniwireError) -> None:
+        """What was queued to ``name`` could not be sent: it is lost (nothing is
+        dropped with the peer still reported alive)."""
+        peer = self._peers.get(name)
+        if peer is not None:
+            self._peers.lose(peer, f"its control channel broke ({error})")
 
     def _on_ring(self, peer: Peer, reader: RingReader) -> None:
         self._dispatch.start_ring(peer, reader, peer.generation)

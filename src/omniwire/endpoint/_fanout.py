@@ -20,7 +20,6 @@ from typing import Any
 from .. import codec, packing
 from ..backends.base import ByteBackend
 from ..delivery import SendReceipt
-from ..errors import RequestAbortedError
 from ..routing import Route
 from ._exporting import export_bytes
 from ._records import Peer, SharedExport
@@ -70,7 +69,7 @@ class FanOut:
         names = check_targets(targets)
         core.check_open()
         if core.aborts.is_aborted(request_id):
-            raise RequestAbortedError(f"request {request_id!r} was aborted")
+            raise core.aborts.error(request_id)
         enc = codec.dumps(payload, allow_pickle=core.config.allow_pickle)
         meta = sender.metadata(metadata)
         layout = packing.plan(enc.tensors, enc.paths)

@@ -160,6 +160,7 @@ class Lifecycle:
             now = time.monotonic()
             self._peers.tick(now)
             self._sender.check_deadlines(now)
+            self._receiver.check_idle(now)
             self._receiver.deliveries.expire(now)
             self._core.noisy.flush()
 

@@ -12,6 +12,14 @@ posting order, always.
 A frame ZeroMQ cannot take right away (the peer's queue is full) waits in the
 peer's backlog, which one drain task empties in order; how long its head has
 waited tells the peer table whether the peer still takes frames.
+
+Nothing queued is dropped quietly. Batches are cut by the messages' sizes before
+they are encoded (a DataReady's charge, spec §7.6, bounds its encoded size), so no
+batch exceeds the frame limit; a message too large for any frame was refused by its
+own send (:class:`~omniwire.errors.FrameTooLargeError`). If a peer's channel breaks
+anyway (its ring), what was queued for it is dropped *and the peer is declared
+lost* (``on_broken``), so every send that returned meant: it arrives, or the peer
+is gone.
 """
 
 from __future__ import annotations
@@ -19,13 +27,14 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import anyio
 
 from .. import wire
 from ..control import ControlPlane
-from ..errors import OmniwireError, PeerUnresponsiveError
+from ..errors import OmniwireError, PeerUnresponsiveError, WireFormatError
 from ..ring import RingError, RingWriter
 
 if TYPE_CHECKING:
@@ -38,14 +47,17 @@ __all__ = ["Outbox"]
 _SEND_LIMIT = 256
 #: Most messages in one BatchMessage (the wire allows 4096).
 _BATCH_MAX = 1024
-#: Batches stay well under the 16 MiB frame limit.
+#: Batches stay well under the 16 MiB frame limit (counted in the messages' sizes).
 _BATCH_BYTES = 4 << 20
 _BATCHABLE = (
     wire.DataReadyMessage,
     wire.DataProgressMessage,
     wire.DataAckMessage,
     wire.AbortMessage,
+    wire.WindowMessage,
 )
+#: An upper bound of the encoded size of a batchable message that is not a DataReady.
+_SMALL = 2 * wire.MAX_TEXT_BYTES + 4 * wire.MAX_NAME_BYTES
 
 
 class _ToRing:
@@ -91,6 +103,9 @@ class Outbox:
         self._closed = False
         self._sent_now: set[str] = set()  # peers sent a frame at once this iteration
         self._reset_scheduled = False
+        #: Told when a peer's channel broke and its queue was dropped (the peer table
+        #: declares it lost); set by the endpoint.
+        self.on_broken: Callable[[str, OmniwireError], None] | None = None
 
     # -- the API ---------------------------------------------------------------------
 
@@ -116,8 +131,8 @@ class Outbox:
                         return
                 elif self._control.send_nowait(name, frame):
                     return
-            except OmniwireError as exc:  # the ring broke: the peer table finds it lost
-                self.drop(name, exc)
+            except OmniwireError as exc:  # the ring broke, or a frame cannot be made
+                self._broken(name, exc)
                 return
         self._enqueue(peer, msg)
 
@@ -196,6 +211,12 @@ class Outbox:
         queue = self._queues.get(peer)
         return now - queue.since if queue is not None and queue.backlog else 0.0
 
+    def _broken(self, peer: str, error: OmniwireError) -> None:
+        """The channel to ``peer`` broke: drop its queue and have it declared lost."""
+        self.drop(peer, error)
+        if self.on_broken is not None:
+            self.on_broken(peer, error)
+
     def drop(self, peer: str, error: OmniwireError) -> None:
         """Discard what is queued to a peer that is gone (its waiters move on)."""
         queue = self._queues.pop(peer, None)
@@ -228,8 +249,8 @@ class Outbox:
             messages, queue.messages = queue.messages, []
             try:
                 self._send_all(queue, messages)
-            except OmniwireError as exc:  # its ring broke: the peer table finds it lost
-                self.drop(queue.peer.name, exc)
+            except OmniwireError as exc:  # its ring broke, or a frame cannot be made
+                self._broken(queue.peer.name, exc)
                 continue
             if not queue.backlog:
                 self._done(queue)
@@ -301,23 +322,27 @@ def _ring_send(ring: RingWriter, frame: bytes) -> bool:
 
 
 def _frames(peer: Peer, messages: list[wire.Message]) -> list[bytes]:
-    """The frames for ``messages`` to ``peer``: runs of batchable messages become one
-    BatchMessage each (1.1 peers), everything else a frame of its own."""
+    """The frames for ``messages`` to ``peer``: runs of batchable messages become
+    BatchMessages (1.1 peers) of at most ``_BATCH_MAX`` messages and ``_BATCH_BYTES``
+    (by the messages' sizes, before encoding), everything else a frame of its own."""
     version = peer.session.version
     if len(messages) == 1 or version < (1, 1):
         return [_frame(m, version) for m in messages]
     frames: list[bytes] = []
     run: list[wire.BatchedMessage] = []
+    size = 0
     for msg in messages:
-        if isinstance(msg, _BATCHABLE) and len(run) < _BATCH_MAX:
-            run.append(msg)
-            continue
-        frames += _batch(run, version)
-        run = []
-        if isinstance(msg, _BATCHABLE):
-            run.append(msg)
-        else:
+        if not isinstance(msg, _BATCHABLE):
+            frames += _batch(run, version)
+            run, size = [], 0
             frames.append(_frame(msg, version))
+            continue
+        cost = wire.charge(msg) if type(msg) is wire.DataReadyMessage else _SMALL
+        if run and (len(run) >= _BATCH_MAX or size + cost > _BATCH_BYTES):
+            frames += _batch(run, version)
+            run, size = [], 0
+        run.append(msg)
+        size += cost
     frames += _batch(run, version)
     return frames
 
@@ -327,11 +352,11 @@ def _batch(run: list[wire.BatchedMessage], version: tuple[int, int]) -> list[byt
         return []
     if len(run) == 1:
         return [_frame(run[0], version)]
-    frame = wire.encode(wire.BatchMessage(messages=tuple(run)), version=version)
-    if len(frame) <= _BATCH_BYTES:
-        return [frame]
-    half = len(run) // 2  # rare: big messages; split until each batch fits
-    return _batch(run[:half], version) + _batch(run[half:], version)
+    try:
+        return [wire.encode(wire.BatchMessage(messages=tuple(run)), version=version)]
+    except WireFormatError:  # sizes underestimated (long paths, ids): split until it fits
+        half = len(run) // 2
+        return _batch(run[:half], version) + _batch(run[half:], version)
 
 
 def _frame(msg: wire.Message, version: tuple[int, int]) -> bytes:

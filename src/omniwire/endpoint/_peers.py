@@ -42,7 +42,7 @@ from ..errors import (
     PeerUnresponsiveError,
     RemoteProtocolError,
 )
-from ..flow import Credits
+from ..flow import Credits, ReceiveWindow, Window
 from ..ring import RingReader
 from ..routing import INLINE, INLINE_ANY, Candidate, Edge, RouteCache
 from ._core import Core
@@ -93,6 +93,7 @@ class PeerTable:
             name=name,
             session=wire.Session(local_name=cfg.name, peer_name=name),
             credits=Credits(cfg.max_inflight, cfg.max_inflight_bytes),
+            rwindow=ReceiveWindow(cfg.receive_window),
         )
         self._peers[name] = peer
         self._changed.set()
@@ -162,6 +163,9 @@ class PeerTable:
         if outcome is wire.HelloOutcome.RESTART:
             self._end(peer, lost_out, lost_in, PeerStatus.LOST, "it restarted", PeerLostError)
         if outcome is not wire.HelloOutcome.DUPLICATE:
+            peer.window = Window(hello.window)
+            peer.rwindow = ReceiveWindow(self.core.config.receive_window)
+            peer.ack_timeouts = 0
             peer.generation += 1
             peer.status = PeerStatus.CONNECTING
             peer.hello_done = False

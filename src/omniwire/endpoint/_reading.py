@@ -6,6 +6,7 @@ module only knows how.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import anyio
@@ -14,11 +15,12 @@ import torch
 from .. import codec, packing, wire
 from ..backends.base import THREAD_COPY_THRESHOLD, BackendBase, ObjectBackend
 from ..errors import BackendError, BadReferenceError, OmniwireError, WireFormatError
+from ..flow import FairBudget
 from ..recvpool import RecvPool
 from ._core import Core
 from ._records import InRecord, Peer
 
-__all__ = ["ObjectReader", "Stalled", "nack_of"]
+__all__ = ["ObjectReader", "Share", "Stalled", "nack_of"]
 
 
 class Stalled(OmniwireError):
@@ -35,6 +37,37 @@ def nack_of(exc: Exception) -> tuple[wire.NackReason, str] | None:
     if isinstance(exc, (OmniwireError, TypeError, ValueError, RuntimeError, OSError)):
         return "backend_error", f"{type(exc).__name__}: {exc}"
     return None
+
+
+class Share:
+    """One object's share of the receive budget (:class:`~omniwire.flow.FairBudget`),
+    taken as its bytes are announced: a progressive object holds what is ready, not its
+    whole declared length. Uncounted (zero-copy: the bytes stay the sender's), it holds
+    one object of no bytes."""
+
+    __slots__ = ("budget", "bytes", "counted", "key", "taken")
+
+    def __init__(self, budget: FairBudget, key: str, *, counted: bool) -> None:
+        self.budget = budget
+        self.key = key
+        self.counted = counted
+        self.bytes = 0
+        self.taken = False
+
+    async def reserve(self, upto: int) -> None:
+        """Hold at least ``upto`` bytes (waiting for the budget)."""
+        want = upto if self.counted else 0
+        if not self.taken:
+            await self.budget.acquire(self.key, want)
+            self.taken, self.bytes = True, want
+        elif want > self.bytes:
+            await self.budget.acquire(self.key, want - self.bytes, count=0)
+            self.bytes = want
+
+    def release(self) -> None:
+        if self.taken:
+            self.taken = False
+            self.budget.release(self.key, self.bytes)
 
 
 class ObjectReader:
@@ -58,7 +91,14 @@ class ObjectReader:
             and admits
         )
 
-    async def read(self, peer: Peer, backend: BackendBase, info: Any, record: InRecord) -> Any:
+    async def read(
+        self,
+        peer: Peer,
+        backend: BackendBase,
+        info: Any,
+        record: InRecord,
+        reserve: Callable[[int], Awaitable[None]],
+    ) -> Any:
         """Import and read the object; returns the payload (views in zero-copy mode).
 
         Raises: ``Stalled``; ``WireFormatError`` / ``BadReferenceError`` for the peer's
@@ -71,6 +111,7 @@ class ObjectReader:
         if isinstance(backend, ObjectBackend):
             return imp.value
         if ref.layout == "per_tensor":
+            await reserve(length)
             await imp.fetch(0, length)
             tensors = list(imp.tensors or [])
             if not zero_copy:
@@ -80,6 +121,7 @@ class ObjectReader:
             done = 0
             while done < length:
                 ready = await self._announced_past(peer, record, done)
+                await reserve(ready)  # the receive budget, as the bytes are announced
                 await imp.fetch(done, ready, dest)
                 done = ready
             source = dest if dest is not None else imp.buffer

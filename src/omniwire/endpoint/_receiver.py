@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Any
 
 import anyio
@@ -28,14 +29,12 @@ from ..errors import (
 from ._core import Core
 from ._deliveries import Deliveries
 from ._peers import PeerTable
-from ._reading import ObjectReader, nack_of
+from ._reading import ObjectReader, Share, nack_of
 from ._records import InRecord, Peer, PeerStatus
 
 __all__ = ["Receiver"]
 
 log = logging.getLogger("omniwire.endpoint")
-
-_OPEN_STREAMS = 65536  # open streams remembered per peer
 
 
 class Receiver:
@@ -47,11 +46,17 @@ class Receiver:
         self.budget = self.deliveries.budget
         self.reader = ObjectReader(core)
         self._inbox_limit = 4 * cfg.max_inflight + cfg.receive_buffer
+        self.deliveries.on_window = self._window_back
+        self._made = 0  # deliveries made so far, and the last one (see _charged)
+        self._last: Delivery | None = None
 
     # -- frames in ---------------------------------------------------------------------
 
     def on_data_ready(self, peer: Peer, msg: wire.DataReadyMessage) -> bool:
-        """Queue a DataReady; True if its peer's inbox can be taken from right now."""
+        """Queue a DataReady; True if its peer's inbox can be taken from right now.
+
+        Its charge (spec §7.6) is held against the peer's window until what it
+        carried leaves this endpoint; a peer that overruns its window is lost."""
         core = self.core
         ref = msg.data_ref
         record = None
@@ -67,10 +72,23 @@ class Receiver:
                 generation=peer.generation,
             )
         peer.session.on_data_ready(msg, record)  # RemoteProtocolError: nothing changed
+        charge = wire.charge(msg)
+        if not peer.rwindow.charge(charge):
+            core.counters["window_exceeded"] += 1
+            self.peers.lose(
+                peer,
+                f"it overran its flow-control window ({peer.rwindow.held} bytes of charge "
+                f"outstanding; {peer.rwindow.size} granted)",
+            )
+            return False
+        if record is not None:
+            record.charge = charge
         core.aborts.note_peer(msg.request_id, peer.name)  # an abort of it must reach peer
         if core.aborts.is_aborted(msg.request_id):
             if record is not None:
                 self.refuse(peer, record, "aborted", "request aborted")
+            else:
+                self.credit(peer, peer.generation, charge)
             return False
         if record is not None and len(peer.inbox) >= self._inbox_limit:
             core.counters["inbox_full"] += 1
@@ -78,6 +96,32 @@ class Receiver:
             return False
         peer.inbox.append(record if record is not None else msg)
         return True
+
+    # -- the window (spec §7.6) ---------------------------------------------------------
+
+    def credit(self, peer: Peer, generation: int, charge: int) -> None:
+        """What a message of ``peer`` carried left this endpoint: give its charge back,
+        and tell the peer when enough came back (a WindowMessage, batched with
+        whatever else goes to it in this turn)."""
+        if peer.generation != generation or charge == 0:
+            return  # a past session's: its window is gone
+        increment = peer.rwindow.credit(charge)
+        hello = peer.hello
+        if increment and hello is not None and hello.window and peer.status is PeerStatus.READY:
+            self.core.outbox.post(
+                peer,
+                wire.WindowMessage(
+                    from_stage=self.core.name, to_stage=peer.name, increment=increment
+                ),
+            )
+
+    def _charged(self, peer: Peer, charge: int, mark: int) -> None:
+        """The message just taken holds ``charge``: on the last delivery it made (given
+        back when that one is taken or dropped), or, if it made none, given back now."""
+        if self._made != mark and self._last is not None:
+            self._last._window = (peer, peer.generation, charge)
+        else:
+            self.credit(peer, peer.generation, charge)
 
     def on_progress(self, peer: Peer, msg: wire.DataProgressMessage) -> None:
         record = peer.session.on_progress(msg)
@@ -113,7 +157,10 @@ class Receiver:
         if len(inbox) == 1 and (
             not isinstance(head, InRecord)
             or self.reader.fits_now(
-                head, self.budget.would_admit(0 if self.core.config.zero_copy else head.length)
+                head,
+                self.budget.would_admit(
+                    peer.name, 0 if self.core.config.zero_copy else head.length
+                ),
             )
         ):
             return True
@@ -158,6 +205,13 @@ class Receiver:
         if isinstance(item, wire.DataReadyMessage):
             self.take_message(peer, item)
             return
+        mark = self._made
+        try:
+            await self._take_record(peer, item)
+        finally:
+            self._charged(peer, item.charge, mark)
+
+    async def _take_record(self, peer: Peer, item: InRecord) -> None:
         msg = item.msg
         if item.refusal is not None:
             await self.reader.consume(peer, item)
@@ -166,14 +220,67 @@ class Receiver:
         if self.core.aborts.is_aborted(msg.request_id):
             self.finish(peer, item, "aborted", "request aborted")
             return
+        if item.ref.kind == "stream_chunk" and not self._stream_admitted(peer, msg):
+            self.finish(peer, item, "aborted", "too_many_streams")
+            return
         ok, metadata = self._metadata(peer, msg, item)
         if not ok:
             return
         await self._take_object(peer, item, metadata)
         self._ended(peer, msg, metadata)
 
+    # -- open streams: a cap per peer, an idle timeout ----------------------------------
+
+    def _stream_admitted(self, peer: Peer, msg: wire.DataReadyMessage) -> bool:
+        """Whether a chunk of ``msg.request_id`` may be taken: its stream is open, or
+        one more fits under ``max_open_streams``. A stream beyond the cap is refused
+        by aborting its request back to the peer (reason ``too_many_streams``)."""
+        rid = msg.request_id
+        streams = peer.open_streams
+        if rid in streams or len(streams) < self.core.config.max_open_streams:
+            return True
+        self.core.counters["streams_refused"] += 1
+        self._refuse_stream(
+            peer,
+            rid,
+            f"too_many_streams: {peer.name!r} has {len(streams)} streams open at "
+            f"{self.core.name!r} (max_open_streams)",
+        )
+        return False
+
+    def _refuse_stream(self, peer: Peer, request_id: str, reason: str) -> None:
+        """Abort ``request_id`` here and back to ``peer`` alone (spec §7.6)."""
+        core = self.core
+        core.aborts.remember(request_id, core.name, reason)
+        self.core.outbox.post(
+            peer, wire.AbortMessage(request_id=request_id, from_stage=core.name, reason=reason)
+        )
+
+    def check_idle(self, now: float) -> None:
+        """End the streams that had no chunk for ``stream_idle_timeout`` seconds: an
+        ``error`` delivery (``cause="stream_idle"``), and an abort back to the sender."""
+        limit = self.core.config.stream_idle_timeout
+        for peer in self.peers.all():
+            streams = peer.open_streams
+            while streams:
+                rid, last = next(iter(streams.items()))
+                if now - last <= limit:
+                    break  # the rest had a chunk later
+                del streams[rid]
+                self.core.counters["streams_idle"] += 1
+                why = f"stream_idle: no chunk of request {rid!r} from {peer.name!r} for {limit:g} s"
+                self._refuse_stream(peer, rid, why)
+                self._deliver(Delivery("error", rid, peer.name, error=why, cause="stream_idle"))
+
     def take_message(self, peer: Peer, msg: wire.DataReadyMessage) -> None:
         """Take a data-less or inline DataReady (nothing of it waits)."""
+        mark = self._made
+        try:
+            self._take_message(peer, msg)
+        finally:
+            self._charged(peer, wire.charge(msg), mark)
+
+    def _take_message(self, peer: Peer, msg: wire.DataReadyMessage) -> None:
         if self.core.aborts.is_aborted(msg.request_id):
             return
         ok, metadata = self._metadata(peer, msg, None)
@@ -183,6 +290,8 @@ class Receiver:
             peer.open_streams.pop(msg.request_id, None)
             self._deliver(_error(peer, msg, msg.error, metadata))
         elif msg.inline is not None:
+            if msg.inline.kind == "stream_chunk" and not self._stream_admitted(peer, msg):
+                return
             self._take_inline(peer, msg, msg.inline, metadata)
         self._ended(peer, msg, metadata)
 
@@ -242,19 +351,19 @@ class Receiver:
             self._deliver(_error(peer, msg, why))
             return
         zero_copy = self.core.config.zero_copy
-        budget = 0 if zero_copy else ref.ref.length
+        share = Share(self.budget, peer.name, counted=not zero_copy)
         value: Any = None
         taken = False  # fetched: the budget share is held
         failure: tuple[wire.NackReason, str] | None = None
         with anyio.CancelScope() as scope:
             peer.current_take = (msg.request_id, scope)
             try:
-                await self.budget.acquire(budget)
                 try:
-                    value = await self.reader.read(peer, backend, info, record)
+                    await share.reserve(min(record.ready, record.length))
+                    value = await self.reader.read(peer, backend, info, record, share.reserve)
                     taken = True
                 except BaseException:
-                    self.budget.release(budget)
+                    share.release()
                     raise
             except Exception as exc:
                 failure = nack_of(exc)
@@ -265,7 +374,7 @@ class Receiver:
         aborted = self.core.aborts.is_aborted(msg.request_id)
         if scope.cancel_called or aborted:  # aborted, the peer is gone, or we are closing
             if taken:
-                self.budget.release(budget)  # taken, but it will not be delivered
+                share.release()  # taken, but it will not be delivered
             reason: wire.NackReason = "aborted" if aborted else "receiver_closed"
             self.finish(peer, record, reason, reason.replace("_", " "))
             return
@@ -283,7 +392,7 @@ class Receiver:
             self._deliver(_error(peer, msg, failure[1], metadata, ref.backend))
             return
         delivery = _data(peer, msg, ref.kind, value, metadata, ref.backend, ref.ref.length)
-        delivery._budget = budget
+        delivery._budget = share.bytes
         if zero_copy and not isinstance(backend, ObjectBackend):
             record.lent = True
             delivery._on_release = lambda: self._released(peer, record)
@@ -308,6 +417,8 @@ class Receiver:
         if record in peer.inbox:
             peer.inbox.remove(record)
         self.finish(peer, record, reason, text)
+        charge, record.charge = record.charge, 0
+        self.credit(peer, record.generation, charge)
 
     def finish(
         self, peer: Peer, record: InRecord, reason: wire.NackReason | None = None, text: str = ""
@@ -352,22 +463,37 @@ class Receiver:
         observer = self.core.observer
         if observer is not None:
             observer.delivered(self.core.name, delivery)
+        self._made += 1
+        self._last = delivery
         self.deliveries.put(delivery)
+
+    def _window_back(self, delivery: Delivery) -> None:
+        """A delivery holding a message's charge left the queue (taken or dropped)."""
+        held = delivery._window
+        if held is not None:
+            delivery._window = None
+            self.credit(*held)
 
     # -- aborts, loss, close -------------------------------------------------------------
 
     def on_abort(self, request_id: str, origin: str, reason: str, *, notify: bool) -> None:
+        """Drop everything of the request. The ``aborted`` delivery (when ``notify``) is
+        made only where the request was seen — data of it sent or received here, or a
+        consumer holding it: an abort of a request never seen here costs nothing but
+        its remembered id (so its late data is still refused)."""
+        seen = self.core.aborts.seen(request_id)
         for peer in self.peers.all():
             for item in [i for i in peer.inbox if _rid(i) == request_id]:
                 if isinstance(item, InRecord):
                     self.refuse(peer, item, "aborted", "request aborted")
                 else:
                     peer.inbox.remove(item)
+                    self.credit(peer, peer.generation, wire.charge(item))
             if peer.current_take is not None and peer.current_take[0] == request_id:
                 peer.current_take[1].cancel()
             peer.open_streams.pop(request_id, None)
-        self.deliveries.drop(request_id)  # a zero-copy one NACKs "aborted" (the id is remembered)
-        if notify:
+        self.deliveries.drop(request_id)  # zero-copy ones NACK "aborted"
+        if notify and (seen or self.deliveries.wanted(request_id)):
             self._deliver(Delivery("aborted", request_id, origin, error=reason or None))
 
     def on_peer_gone(
@@ -423,11 +549,10 @@ def _data(
 ) -> Delivery:
     """A payload or stream chunk for the application (a chunk opens its stream)."""
     delivered: DeliveryKind = "payload" if kind == "payload" else "stream_chunk"
-    if delivered == "stream_chunk":
+    if delivered == "stream_chunk":  # (re)opens its stream, the newest for the idle check
         streams = peer.open_streams
-        streams[msg.request_id] = None
-        if len(streams) > _OPEN_STREAMS:
-            streams.popitem(last=False)
+        streams[msg.request_id] = time.monotonic()
+        streams.move_to_end(msg.request_id)
     return Delivery(
         delivered,
         msg.request_id,

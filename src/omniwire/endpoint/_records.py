@@ -22,7 +22,7 @@ from .. import wire
 from ..backends.base import Export, Import, Layout, PeerInfo
 from ..delivery import SendReceipt
 from ..errors import PeerRefusedError
-from ..flow import Credits
+from ..flow import Credits, ReceiveWindow, Window
 from ..ring import RingReader, RingWriter
 from ..routing import Candidate, Edge, RouteCache
 from ._stats import RouteStats
@@ -157,6 +157,8 @@ class InRecord(wire.InboundObject):
     lent: bool = False
     #: The peer is gone: no ACK will be sent for it.
     orphaned: bool = False
+    #: What its DataReady counts against the peer's window (spec §7.6).
+    charge: int = 0
     finished: bool = False
 
 
@@ -194,6 +196,10 @@ class Peer:
     ring_writer: RingWriter | None = None  # its reader, attached: our frames go there
     ring_attached: str = ""  # the name of the peer's ring we attached to
     ring_reading: bool = False  # our ring's reader loop runs
+    # flow control of DataReady charge (spec §7.6), both directions, per session
+    window: Window = field(default_factory=lambda: Window(0))  # what the peer grants us
+    rwindow: ReceiveWindow = field(default_factory=lambda: ReceiveWindow(4 << 20))  # ours
+    ack_timeouts: int = 0  # consecutive ACK deadlines it missed
     # sending
     chunk_ids: dict[str, int] = field(default_factory=dict)
     send_lock: anyio.Lock = field(default_factory=anyio.Lock)
@@ -202,8 +208,9 @@ class Peer:
     busy: bool = False  # an item of the inbox is being taken
     worker: bool = False  # a task is draining the inbox
     current_take: tuple[str, anyio.CancelScope] | None = None
-    #: Streams (request ids) with chunks delivered and no end yet.
-    open_streams: OrderedDict[str, None] = field(default_factory=OrderedDict)
+    #: Streams (request ids) with chunks taken and no end yet -> when the last came
+    #: (at most ``max_open_streams``; the oldest first, for the idle check).
+    open_streams: OrderedDict[str, float] = field(default_factory=OrderedDict)
 
     @property
     def hello(self) -> wire.HelloMessage | None:

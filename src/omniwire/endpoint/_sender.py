@@ -27,9 +27,12 @@ from ..errors import (
     BackendError,
     DrainTimeoutError,
     EndpointClosedError,
+    FrameTooLargeError,
     OmniwireError,
     PeerLostError,
+    PeerUnresponsiveError,
     RequestAbortedError,
+    WireFormatError,
 )
 from ..routing import INLINE, PayloadInfo, Route
 from ._core import Core
@@ -70,7 +73,7 @@ class Sender:
         core = self.core
         core.check_open()
         if core.aborts.is_aborted(request_id):
-            raise RequestAbortedError(f"request {request_id!r} was aborted")
+            raise core.aborts.error(request_id)
         enc = codec.dumps(payload, allow_pickle=core.config.allow_pickle)
         meta = self.metadata(metadata)
         peer = self.peers.get(target)
@@ -80,11 +83,16 @@ class Sender:
             layout = packing.plan(enc.tensors, enc.paths)
             route = self.select(peer, payload_info(kind, enc.tensors, layout))
             if route.backend == INLINE.name and core.outbox.has_room(peer):
-                stats, chunk_id = self._account(peer, route, request_id, kind)
-                msg = self._inline_message(
-                    peer, enc, layout, request_id, kind, chunk_id, meta, traceparent
+                stats, msg = self._inline(
+                    peer, route, enc, layout, request_id, kind, meta, traceparent
                 )
-                core.outbox.post(peer, msg)  # room in its queue: nothing to wait for
+                charge = wire.charge(msg)
+                if peer.window.try_acquire(charge):
+                    core.outbox.post(peer, msg)  # room in its queue: nothing to wait for
+                    return _carried_inline(peer, request_id, layout, stats)
+                with core.aborts.guard(request_id, target):
+                    await self._inline_window(peer, msg, kind, charge)
+                    await core.outbox.send(peer, msg, core.config.ack_timeout)
                 return _carried_inline(peer, request_id, layout, stats)
         with core.aborts.guard(request_id, target):
             peer = await self.peers.wait_ready(target, core.config.handshake_timeout)
@@ -110,13 +118,12 @@ class Sender:
     ) -> SendReceipt:
         """Send an encoded payload to a ready peer on its route (also one target of a
         fan-out, which passes the ``shared`` export it packed once)."""
-        stats, chunk_id = self._account(peer, route, request_id, kind)
-        if route.backend == INLINE.name:  # may wait for room in the peer's queue
-            msg = self._inline_message(
-                peer, enc, layout, request_id, kind, chunk_id, meta, traceparent
-            )
+        if route.backend == INLINE.name:  # may wait for its window and room in the queue
+            stats, msg = self._inline(peer, route, enc, layout, request_id, kind, meta, traceparent)
+            await self._inline_window(peer, msg, kind, wire.charge(msg))
             await self.core.outbox.send(peer, msg, self.core.config.ack_timeout)
             return _carried_inline(peer, request_id, layout, stats)
+        stats, chunk_id = self._account(peer, route, request_id, kind)
         return await self._send_object(
             peer,
             route,
@@ -146,12 +153,15 @@ class Sender:
                 request_id=request_id,
                 from_stage=core.name,
                 to_stage=target,
-                chunk_id=peer.chunk_ids.pop(request_id, 0),
+                chunk_id=peer.chunk_ids.get(request_id, 0),
                 is_done=True,
                 error=error,
                 metadata=meta,
                 traceparent=traceparent,
             )
+            _fit(msg)
+            peer.chunk_ids.pop(request_id, None)
+            await self._window(peer, wire.charge(msg))
             await core.outbox.send(peer, msg, core.config.ack_timeout)
 
     def metadata(self, metadata: Any) -> bytes:
@@ -217,6 +227,70 @@ class Sender:
         return stats
 
     # -- inline ------------------------------------------------------------------------
+
+    def _inline(
+        self,
+        peer: Peer,
+        route: Route,
+        enc: codec.Encoded,
+        layout: packing.PackPlan,
+        request_id: str,
+        kind: Kind,
+        meta: bytes,
+        traceparent: str,
+    ) -> tuple[RouteStats, wire.DataReadyMessage]:
+        """The inline DataReady of a payload, accounted to its route and stream.
+
+        Raises:
+            FrameTooLargeError: it would not fit in a frame (nothing was accounted).
+        """
+        stats, chunk_id = self._account(peer, route, request_id, kind)
+        msg = self._inline_message(peer, enc, layout, request_id, kind, chunk_id, meta, traceparent)
+        try:
+            _fit(msg)
+        except FrameTooLargeError:
+            if kind == "stream_chunk":
+                _unaccount(peer, request_id, chunk_id)
+            raise
+        return stats, msg
+
+    async def _inline_window(
+        self, peer: Peer, msg: wire.DataReadyMessage, kind: Kind, charge: int
+    ) -> None:
+        """:meth:`_window` for an inline message already accounted to its stream: if
+        it never goes (timeout, abort, cancellation), its chunk id is given back, so
+        the stream has no gap."""
+        try:
+            await self._window(peer, charge)
+        except BaseException:
+            if kind == "stream_chunk":
+                _unaccount(peer, msg.request_id, msg.chunk_id)
+            raise
+
+    async def _window(self, peer: Peer, charge: int) -> None:
+        """Take ``charge`` of the peer's window (spec §7.6), waiting while its
+        application has not taken what we sent before.
+
+        Raises:
+            AckTimeoutError: the window stayed closed for ``ack_timeout`` seconds.
+        """
+        window = peer.window
+        if window.try_acquire(charge):
+            return
+        core = self.core
+        core.counters["window_waits"] += 1
+        timeout = core.config.ack_timeout
+        started = time.monotonic()
+        with anyio.move_on_after(timeout) as wait:
+            await window.acquire(charge)
+        if core.observer is not None:
+            core.observer.credit_waited(core.name, peer.name, time.monotonic() - started)
+        if wait.cancelled_caught:
+            raise AckTimeoutError(
+                f"{peer.name!r} reopened no flow-control window within {timeout:g} s: its "
+                f"application took nothing of the {window.size - window.available} bytes "
+                "outstanding"
+            )
 
     def _inline_message(
         self,
@@ -311,24 +385,34 @@ class Sender:
                 metadata=meta,
                 traceparent=traceparent,
             )
+            _fit(msg)
+            charge = wire.charge(msg)
             # publish and announce under the peer's lock: a two-sided engine pairs sends
             # and receives in announce order.
             async with _locked(peer.send_lock):
-                self._check_peer(peer, record)
-                record.ready = points[0]
-                peer.session.announce(record)
+                await self._window(peer, charge)
+                window = peer.window
                 try:
-                    if record.export.layout == "packed":
-                        await record.export.publish(0, points[0])
-                    record.deadline = time.monotonic() + core.config.ack_timeout
-                    core.outbox.post(peer, msg)
-                    posted = True
+                    self._check_peer(peer, record)
+                    record.ready = points[0]
+                    peer.session.announce(record)
+                    try:
+                        if record.export.layout == "packed":
+                            await record.export.publish(0, points[0])
+                        record.deadline = time.monotonic() + core.config.ack_timeout
+                        core.outbox.post(peer, msg)
+                        posted = True
+                    finally:
+                        if not posted:
+                            peer.session.forget_outbound(record.object_id)
                 finally:
                     if not posted:
-                        peer.session.forget_outbound(record.object_id)
+                        window.reopen(charge)  # never sent: the charge is ours again
         except BaseException as exc:
             if not posted:
                 record.release(_as_error(exc, peer))
+                if kind == "stream_chunk":
+                    _unaccount(peer, request_id, chunk_id)
             raise
         stats.count += 1
         stats.nbytes += nbytes
@@ -370,6 +454,7 @@ class Sender:
 
     def on_ack(self, peer: Peer, msg: wire.DataAckMessage) -> None:
         record = peer.session.on_ack(msg)  # RemoteProtocolError if not in flight to it
+        peer.ack_timeouts = 0
         if msg.success:
             record.release(None)
             return
@@ -399,11 +484,19 @@ class Sender:
             record.release(error)
         self.core.aborts.cancel_peer(peer.name, error)
 
+    def on_window(self, peer: Peer, msg: wire.WindowMessage) -> None:
+        peer.session.check(msg)
+        peer.window.reopen(msg.increment)
+
     def check_deadlines(self, now: float) -> None:
-        timeout = self.core.config.ack_timeout
+        """Fail the receipts of objects past their ACK deadline; a peer that missed
+        ``max_ack_timeouts`` in a row is declared unresponsive (its buffers come back)."""
+        cfg = self.core.config
+        timeout = cfg.ack_timeout
         for peer in self.peers.all():
             for record in list(peer.session.outbound.values()):
                 if now > record.deadline and not record.receipt.done():
+                    peer.ack_timeouts += 1
                     record.fail(
                         AckTimeoutError(
                             f"peer {peer.name!r} did not acknowledge object {record.object_id} "
@@ -411,6 +504,13 @@ class Sender:
                             f"{record.receipt.backend}) within {timeout:g} s"
                         )
                     )
+            if peer.ack_timeouts >= cfg.max_ack_timeouts:
+                self.core.counters["peers_unresponsive"] += 1
+                self.peers.lose(
+                    peer,
+                    f"it missed {peer.ack_timeouts} ACK deadlines of {timeout:g} s in a row",
+                    PeerUnresponsiveError,
+                )
 
     def close(self) -> None:
         error = EndpointClosedError(f"endpoint {self.core.name!r} closed")
@@ -437,6 +537,32 @@ class Sender:
 
     def in_flight(self) -> dict[str, int]:
         return {p.name: len(p.session.outbound) for p in self.peers.all()}
+
+
+def _unaccount(peer: Peer, request_id: str, chunk_id: int) -> None:
+    """A stream chunk that was accounted never went: its id is the stream's next again
+    (unless later chunks of the stream were accounted meanwhile)."""
+    if peer.chunk_ids.get(request_id) == chunk_id + 1:
+        peer.chunk_ids[request_id] = chunk_id
+
+
+def _fit(msg: wire.DataReadyMessage) -> None:
+    """Raise FrameTooLargeError if ``msg`` cannot travel in one frame (spec §3.1).
+    Exact for the messages that might not fit; small ones are not encoded here."""
+    if wire.charge(msg) < (1 << 20) and len((msg.data_ref or msg.inline or _EMPTY).tensors) < 256:
+        return
+    try:
+        wire.encode(msg)
+    except WireFormatError as exc:
+        raise FrameTooLargeError(
+            f"a {'stream chunk' if msg.chunk_id or msg.is_done else 'payload'} of request "
+            f"{msg.request_id!r} to {msg.to_stage!r} is too large for one frame ({exc}; "
+            f"frames hold at most {wire.MAX_FRAME_SIZE >> 20} MiB): send bulk bytes as a tensor, "
+            "which travels by a backend"
+        ) from None
+
+
+_EMPTY = wire.InlineStreamChunkRef()
 
 
 def _carried_inline(

@@ -51,6 +51,8 @@ from ._messages import (
     RefusalCode,
     RefusalMessage,
     TensorMeta,
+    WindowMessage,
+    charge,
 )
 from ._state import HelloOutcome, InboundObject, OutboundObject, PeerState, Session, negotiate
 
@@ -99,7 +101,9 @@ __all__ = [
     "RefusalMessage",
     "Session",
     "TensorMeta",
+    "WindowMessage",
     "align_up",
+    "charge",
     "decode",
     "encode",
     "negotiate",

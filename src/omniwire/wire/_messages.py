@@ -51,6 +51,8 @@ __all__ = [
     "RefusalCode",
     "RefusalMessage",
     "TensorMeta",
+    "WindowMessage",
+    "charge",
 ]
 
 DataKind = Literal["payload", "stream_chunk"]
@@ -301,6 +303,9 @@ class HelloMessage(_Base, frozen=True, kw_only=True, tag="hello", tag_field="typ
     #: 1.1: the peer's ring this sender has just attached to. This Hello is the last
     #: frame of the sender on ZeroMQ; its later frames come through that ring.
     ring_attached: str = ""
+    #: 1.1 (§7.6): the bytes of DataReady charge this sender lets the peer have
+    #: outstanding before a WindowMessage reopens them; 0: it sends no WindowMessage.
+    window: int = 0
 
     def __post_init__(self) -> None:
         _name("HelloMessage.endpoint", self.endpoint)
@@ -326,6 +331,7 @@ class HelloMessage(_Base, frozen=True, kw_only=True, tag="hello", tag_field="typ
         _text("HelloMessage.to_endpoint", self.to_endpoint, MAX_NAME_BYTES, empty_ok=True)
         _text("HelloMessage.ring", self.ring, MAX_NAME_BYTES, empty_ok=True)
         _text("HelloMessage.ring_attached", self.ring_attached, MAX_NAME_BYTES, empty_ok=True)
+        _u64("HelloMessage.window", self.window)
 
 
 class DataReadyMessage(_Base, frozen=True, kw_only=True, tag="data_ready", tag_field="type"):
@@ -459,9 +465,50 @@ class RefusalMessage(_Base, frozen=True, kw_only=True, tag="refusal", tag_field=
         _text("RefusalMessage.addressed", self.addressed, MAX_NAME_BYTES, empty_ok=True)
 
 
+class WindowMessage(_Base, frozen=True, kw_only=True, tag="window", tag_field="type"):
+    """1.1 (§7.6). Receiver → sender: ``increment`` more bytes of DataReady charge may
+    be outstanding; sent as the application takes what the charged messages carried."""
+
+    from_stage: str
+    to_stage: str
+    increment: int
+
+    def __post_init__(self) -> None:
+        _name("WindowMessage.from_stage", self.from_stage)
+        _name("WindowMessage.to_stage", self.to_stage)
+        if not 0 < self.increment <= U64_MAX:
+            raise ValueError(
+                f"WindowMessage.increment must be in [1, 2**64-1], got {self.increment}"
+            )
+
+
+#: The fixed charge of every DataReadyMessage (its envelope), spec §7.6.
+CHARGE_BASE = 256
+#: The charge of each tensor table entry.
+CHARGE_PER_TENSOR = 64
+
+
+def charge(msg: DataReadyMessage) -> int:
+    """What ``msg`` counts against the receiver's window (spec §7.6): a fixed 256 for
+    its envelope, 64 per tensor table entry, and the length of every variable part
+    (metadata, headers, inline data, the error's UTF-8 bytes)."""
+    total = CHARGE_BASE + len(msg.metadata)
+    inline = msg.inline
+    if inline is not None:
+        total += len(inline.header) + len(inline.data) + CHARGE_PER_TENSOR * len(inline.tensors)
+    ref = msg.data_ref
+    if ref is not None:
+        total += len(ref.header) + len(ref.ref.info) + CHARGE_PER_TENSOR * len(ref.tensors)
+    if msg.error:
+        total += len(msg.error.encode("utf-8", "surrogatepass"))
+    return total
+
+
 #: What a BatchMessage may carry: the per-object messages, never a Hello, Goodbye,
 #: Refusal or another batch.
-BatchedMessage = DataReadyMessage | DataProgressMessage | DataAckMessage | AbortMessage
+BatchedMessage = (
+    DataReadyMessage | DataProgressMessage | DataAckMessage | AbortMessage | WindowMessage
+)
 
 
 class BatchMessage(_Base, frozen=True, kw_only=True, tag="batch", tag_field="type"):
@@ -487,4 +534,5 @@ Message = (
     | GoodbyeMessage
     | RefusalMessage
     | BatchMessage
+    | WindowMessage
 )

@@ -48,6 +48,7 @@ from ._messages import (
     HelloMessage,
     Message,
     RefusalMessage,
+    WindowMessage,
 )
 
 __all__ = [
@@ -107,6 +108,7 @@ _LEGAL: dict[PeerState, frozenset[type]] = {
             AbortMessage,
             GoodbyeMessage,
             RefusalMessage,
+            WindowMessage,
         }
     ),
     PeerState.CLOSED: frozenset({HelloMessage, RefusalMessage}),
@@ -145,7 +147,7 @@ class Session(Generic[O, I]):
             when = "after its Goodbye" if self.state is PeerState.CLOSED else "before its Hello"
             raise RemoteProtocolError(f"{type(msg).__name__} from {self.peer_name!r} {when}")
         if (
-            isinstance(msg, DataReadyMessage | DataProgressMessage | DataAckMessage)
+            isinstance(msg, DataReadyMessage | DataProgressMessage | DataAckMessage | WindowMessage)
             and msg.to_stage != self.local_name
         ):
             raise RemoteProtocolError(
