@@ -20,6 +20,7 @@ from typing import Any
 import anyio
 
 from . import _scenarios, _table
+from . import _slow as _slow_mod
 from ._model import Results, Scenario
 from ._procs import Burner, Child, ipc_base, omniwire_peer
 from ._rawzmq import RawZmq, new_base
@@ -28,7 +29,7 @@ from ._units import MiB, parse_size
 __all__ = ["SCENARIOS", "Options", "main", "run"]
 
 #: in the order they run; ``idle`` first, before anything is sent
-SCENARIOS = ("idle", "echo", "stream", "mix", "shm", "table")
+SCENARIOS = ("idle", "echo", "stream", "mix", "shm", "slow", "table")
 SMALL = ("idle", "echo", "stream", "mix")
 
 
@@ -79,6 +80,7 @@ def _steps(opts: Options) -> int:
         "stream": c.rounds + 1,
         "mix": c.mix_rounds + 1,
         "shm": c.shm_rounds + 1,
+        "slow": 2,
         "table": _table.steps(
             opts.backends,
             opts.sizes,
@@ -200,6 +202,8 @@ async def run(opts: Options, results: Results) -> Results:
                 results.notes.append("scenarios " + ",".join(small) + " need the raw zmq baseline")
             if "shm" in opts.scenarios:
                 await attempt("shm", lambda: _shm(counts, progress.step))
+            if "slow" in opts.scenarios:
+                await attempt("slow", lambda: _slow(counts, progress.step))
             if "table" in opts.scenarios:
                 try:
                     await _table.run_table(
@@ -240,6 +244,16 @@ async def _shm(counts: _scenarios.Counts, step: Callable[[str], None]) -> Scenar
         return await _scenarios.shm_large(
             (ep, "bench-copy"), (ep, "bench-zero-copy"), counts, step, size
         )
+
+
+async def _slow(counts: _scenarios.Counts, step: Callable[[str], None]) -> Scenario:
+    async def start_peer() -> tuple[Any, int, Callable[[], Awaitable[None]]]:
+        stack = contextlib.AsyncExitStack()
+        sink = ["--mode", "sink", "--delay", "0.01"]  # (the last --mode wins)
+        ep, children = await stack.enter_async_context(_endpoint({"bench-slow": sink}))
+        return ep, children["bench-slow"].pid, stack.aclose
+
+    return await _slow_mod.slow_consumer(start_peer, counts.slow_s, step)
 
 
 def _parser() -> argparse.ArgumentParser:

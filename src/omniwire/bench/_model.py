@@ -3,7 +3,7 @@
 Every scenario figure is an omniwire figure beside its baseline from the same
 run, with ``ratio = omniwire / baseline`` and the targets it is held to. Values
 are in SI base units named by ``unit``: ``s`` (seconds), ``msgs/s``, ``B/s``,
-``core`` (CPU seconds per wall second: 1.0 is one core busy).
+``B`` (bytes), ``core`` (CPU seconds per wall second: 1.0 is one core busy).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ __all__ = [
 #: Version of the ``--json`` layout (1 was the table alone, at the top level).
 SCHEMA = 2
 
-Unit = Literal["s", "msgs/s", "B/s", "core"]
+Unit = Literal["s", "msgs/s", "B/s", "B", "core"]
 
 
 def percentile(values: Sequence[float], q: float) -> float:

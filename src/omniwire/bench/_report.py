@@ -19,6 +19,8 @@ def fmt_figure(value: float | None, unit: str) -> str:
         return fmt_time(value)
     if unit == "msgs/s":
         return fmt_count(value)
+    if unit == "B":
+        return fmt_size(int(value))
     if unit == "B/s":
         return fmt_rate(value)
     if unit == "core":

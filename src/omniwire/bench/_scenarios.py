@@ -77,10 +77,20 @@ class Counts:
     idle_s: float = 3.0
     shm_rounds: int = 5
     shm_reps: int = 3
+    #: seconds of full-speed sending per traffic kind in the slow-consumer scenario
+    slow_s: float = 5.0
 
     @classmethod
     def quick(cls) -> Counts:
-        return cls(rounds=4, echo_iters=100, stream_n=2000, mix_rounds=2, idle_s=2.0, shm_rounds=3)
+        return cls(
+            rounds=4,
+            echo_iters=100,
+            stream_n=2000,
+            mix_rounds=2,
+            idle_s=2.0,
+            shm_rounds=3,
+            slow_s=3.0,
+        )
 
 
 @dataclass

@@ -19,7 +19,7 @@ from typing import Any, Literal
 import anyio
 import torch
 
-from .. import codec, packing, wire
+from .. import codec, hostinfo, packing, wire
 from ..backends.base import ByteBackend, ObjectBackend
 from ..delivery import SendReceipt
 from ..errors import (
@@ -286,11 +286,37 @@ class Sender:
         if core.observer is not None:
             core.observer.credit_waited(core.name, peer.name, time.monotonic() - started)
         if wait.cancelled_caught:
+            self._missed(peer, "window")
             raise AckTimeoutError(
                 f"{peer.name!r} reopened no flow-control window within {timeout:g} s: its "
                 f"application took nothing of the {window.size - window.available} bytes "
                 "outstanding"
             )
+
+    def _missed(self, peer: Peer, what: str) -> None:
+        """``peer`` missed a deadline (an ACK, a window): one more in a row. A peer on
+        this host whose process is stopped, or one that missed ``max_ack_timeouts`` in a
+        row, is declared unresponsive (its buffers come back); raises its error then."""
+        cfg = self.core.config
+        if peer.status is not PeerStatus.READY:
+            return
+        peer.ack_timeouts += 1
+        hello = peer.hello
+        detail = ""
+        if hello is not None and hello.host_id == self.core.host_id:
+            state = hostinfo.process_state(hello.pid)
+            if state != "alive":
+                detail = f"; its process (pid {hello.pid}) is {state}"
+        if detail or peer.ack_timeouts >= cfg.max_ack_timeouts:
+            self.core.counters["peers_unresponsive"] += 1
+            self.peers.lose(
+                peer,
+                f"it missed {peer.ack_timeouts} {what} deadline(s) of {cfg.ack_timeout:g} s "
+                f"in a row{detail}",
+                PeerUnresponsiveError,
+            )
+            if what == "window":
+                raise PeerUnresponsiveError(f"peer {peer.name!r} was lost: {peer.reason}")
 
     def _inline_message(
         self,
@@ -496,7 +522,6 @@ class Sender:
         for peer in self.peers.all():
             for record in list(peer.session.outbound.values()):
                 if now > record.deadline and not record.receipt.done():
-                    peer.ack_timeouts += 1
                     record.fail(
                         AckTimeoutError(
                             f"peer {peer.name!r} did not acknowledge object {record.object_id} "
@@ -504,13 +529,7 @@ class Sender:
                             f"{record.receipt.backend}) within {timeout:g} s"
                         )
                     )
-            if peer.ack_timeouts >= cfg.max_ack_timeouts:
-                self.core.counters["peers_unresponsive"] += 1
-                self.peers.lose(
-                    peer,
-                    f"it missed {peer.ack_timeouts} ACK deadlines of {timeout:g} s in a row",
-                    PeerUnresponsiveError,
-                )
+                    self._missed(peer, "ACK")
 
     def close(self) -> None:
         error = EndpointClosedError(f"endpoint {self.core.name!r} closed")

@@ -36,6 +36,11 @@ __all__ = ["RingReader"]
 log = logging.getLogger("omniwire.ring")
 
 
+#: Bytes of records one turn of the event loop takes from a ring at most (one frame
+#: larger than this is still taken whole, record by record, over several turns).
+TURN_BYTES = 256 << 10
+
+
 class RingReader:
     """The consuming end of a ring; it creates the ring and owns its names.
 
@@ -244,6 +249,9 @@ class RingReader:
                 return
         if not self._files.unlinked and words[W_WRITER_PID]:
             self._files.unlink()
+        if writer_closed and self._head != words[W_TAIL]:
+            self._schedule()  # a turn's budget was taken: the rest after the others
+            return
         if writer_closed:  # read before the tail: everything it wrote is taken now
             if self._parts:
                 log.info("ring %s: the writer closed in the middle of a frame", self.name)
@@ -257,8 +265,9 @@ class RingReader:
             self._schedule()
 
     def _take(self) -> list[bytes]:
-        """Copy out every complete frame up to the tail, free the space, and ring the
-        writer if it waits for that room."""
+        """Copy out the complete frames up to the tail — at most ``TURN_BYTES`` of
+        records a turn, so one peer's full ring cannot hold the event loop — free the
+        space, and ring the writer if it waits for that room."""
         words, data, cap = self._words, self._data, self.capacity
         head = self._head
         tail = words[W_TAIL]
@@ -274,7 +283,8 @@ class RingReader:
         mask = cap - 1
         frames: list[bytes] = []
         parts = self._parts
-        while head != tail:
+        budget = head + TURN_BYTES  # bounded work per turn: the rest on the next one
+        while head != tail and head < budget:
             pos = head & mask
             n, flags = REC.unpack_from(data, pos)
             size = 8 + pad(n)
