@@ -152,8 +152,10 @@ class ReceiveWindow:
     the window it was granted (it ends its own session). :meth:`credit` when what the
     message carried left this endpoint (taken by the application, or dropped);
     returns the increment to announce in a WindowMessage now, or 0: returns are
-    batched until a quarter of the window is free, or until the peer holds nothing
-    here (so a sender waiting to send one message larger than what is free is told).
+    batched until a quarter of the window is free. What is left when the peer holds
+    nothing here goes at the next :meth:`flush` (a few times a second), so a sender
+    waiting to send one message larger than what is free is told — without a
+    WindowMessage per message of a request/reply exchange.
     """
 
     __slots__ = ("held", "size", "unreported")
@@ -171,10 +173,17 @@ class ReceiveWindow:
     def credit(self, nbytes: int) -> int:
         self.held -= nbytes
         self.unreported += nbytes
-        if self.unreported >= self.size // 4 or self.held == 0:
+        if self.unreported >= self.size // 4:
             increment, self.unreported = self.unreported, 0
             return increment
         return 0
+
+    def flush(self) -> int:
+        """The increment to announce now that the peer holds nothing here (else 0)."""
+        if self.held or not self.unreported:
+            return 0
+        increment, self.unreported = self.unreported, 0
+        return increment
 
 
 class FairBudget:

@@ -11,6 +11,7 @@ is not counted.
 
 from __future__ import annotations
 
+import math
 import random
 import statistics
 import time
@@ -132,6 +133,45 @@ def _flat(rounds: Sequence[Sequence[float]]) -> list[float]:
     return [x for r in rounds for x in r]
 
 
+class _CpuPerMessage:
+    """CPU seconds per message of both processes — A (this one) and B (omniwire's
+    peer, or the raw baseline's process) — over each measured round (round 0, the
+    warm-up, is not counted). From ``/proc/PID/task/*/schedstat``: every thread."""
+
+    def __init__(self, pair: Pair) -> None:
+        import os
+
+        self.pids = {"omniwire": (os.getpid(), pair.peer_pid), "raw": (os.getpid(), pair.raw.pid)}
+        self.rounds: dict[str, list[float]] = {"omniwire": [], "raw": []}
+        self._started: dict[str, tuple[float, float]] = {}
+
+    def _now(self, side: str) -> tuple[float, float]:
+        a, b = self.pids[side]
+        return cpu_seconds(a), cpu_seconds(b)
+
+    def start(self) -> None:
+        self._started = {side: self._now(side) for side in self.pids}
+
+    def stop(self, side: str, r: int, n: int) -> None:
+        if r == 0:
+            return
+        a0, b0 = self._started[side]
+        a1, b1 = self._now(side)
+        self.rounds[side].append(((a1 - a0) + (b1 - b0)) / n)
+
+    def figure(self) -> Figure:
+        ours, raw = self.rounds["omniwire"], self.rounds["raw"]
+        return Figure(
+            "cpu/msg",
+            "s",
+            statistics.median(ours) if ours else math.nan,
+            statistics.median(raw) if raw else None,
+            omniwire_per_round=ours,
+            baseline_per_round=raw,
+            targets=[Target(2.0, "lower")],
+        )
+
+
 # -- 1 KiB echo round trip ------------------------------------------------------------
 
 
@@ -145,10 +185,12 @@ async def echo(pair: Pair, counts: Counts) -> Scenario:
     msg = bytes(range(256)) * 4
     n = counts.echo_iters
     carried: dict[str, str | None] = {}
+    cpu = _CpuPerMessage(pair)
 
     async def ours(r: int) -> list[float]:
         times = []
         receipts = []
+        cpu.start()
         for i in range(n):
             start = time.perf_counter()
             receipts.append(await ep.send(peer, payload, request_id=f"echo{r}.{i}", metadata=meta))
@@ -161,16 +203,19 @@ async def echo(pair: Pair, counts: Counts) -> Scenario:
             d.release()
         for receipt in receipts:
             await receipt.wait()
+        cpu.stop("omniwire", r, n)
         return times
 
     async def theirs(r: int) -> list[float]:
         times = []
+        cpu.start()
         for i in range(n):
             start = time.perf_counter()
             back = await raw.echo(msg)
             times.append(time.perf_counter() - start)
             if r == 0 and i == 0 and back != msg:
                 raise RuntimeError("raw zmq echo came back wrong")
+        cpu.stop("raw", r, n)
         return times
 
     a, b = await _interleaved(counts.rounds, ours, theirs, pair.step, "1 KiB echo")
@@ -195,6 +240,7 @@ async def echo(pair: Pair, counts: Counts) -> Scenario:
             ),
             Figure("p99", "s", percentile(flat_a, 99), percentile(flat_b, 99)),
             Figure("mean", "s", statistics.fmean(flat_a), statistics.fmean(flat_b)),
+            cpu.figure(),
         ],
         {
             "bytes": 1024,
@@ -218,17 +264,20 @@ async def stream(pair: Pair, counts: Counts) -> Scenario:
     chunk = torch.ones(256, dtype=torch.float32)
     msg, last_msg = bytes(KiB), LAST + bytes(KiB - 1)
     carried: dict[str, str | None] = {}
+    cpu = _CpuPerMessage(pair)
 
     async def ours(r: int) -> float:
         rid = f"stream{r}"
         group = f"{rid}/done"
         last = {"last": True, "group": group, "streams": 1}
+        cpu.start()
         start = time.perf_counter()
         for _ in range(n - 1):
             await ep.stream(peer, chunk, request_id=rid)
         receipt = await ep.stream(peer, chunk, request_id=rid, metadata=last)
         d = await ep.receive()
         elapsed = time.perf_counter() - start
+        cpu.stop("omniwire", r, n)
         _check_tally(d, group, n)
         carried["chunks"] = receipt.backend
         await ep.end_stream(peer, request_id=rid)
@@ -236,9 +285,11 @@ async def stream(pair: Pair, counts: Counts) -> Scenario:
         return n / elapsed
 
     async def theirs(r: int) -> float:
+        cpu.start()
         start = time.perf_counter()
         got = await raw.stream(msg, last_msg, n)
         elapsed = time.perf_counter() - start
+        cpu.stop("raw", r, n)
         if got != n:
             raise RuntimeError(f"raw zmq receiver counted {got} of {n} messages")
         return n / elapsed
@@ -262,7 +313,8 @@ async def stream(pair: Pair, counts: Counts) -> Scenario:
                 omniwire_per_round=a,
                 baseline_per_round=b,
                 targets=[Target(1.0, "higher")],
-            )
+            ),
+            cpu.figure(),
         ],
         {
             "bytes": 1024,

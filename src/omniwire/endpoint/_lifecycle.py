@@ -161,6 +161,7 @@ class Lifecycle:
             self._peers.tick(now)
             self._sender.check_deadlines(now)
             self._receiver.check_idle(now)
+            self._receiver.flush_windows()
             self._receiver.deliveries.expire(now)
             self._core.noisy.flush()
 

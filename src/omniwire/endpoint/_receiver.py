@@ -105,7 +105,15 @@ class Receiver:
         whatever else goes to it in this turn)."""
         if peer.generation != generation or charge == 0:
             return  # a past session's: its window is gone
-        increment = peer.rwindow.credit(charge)
+        self._reopen(peer, peer.rwindow.credit(charge))
+
+    def flush_windows(self) -> None:
+        """Tell each peer that holds nothing here what came back since its last
+        WindowMessage (a few times a second: see ReceiveWindow)."""
+        for peer in self.peers.all():
+            self._reopen(peer, peer.rwindow.flush())
+
+    def _reopen(self, peer: Peer, increment: int) -> None:
         hello = peer.hello
         if increment and hello is not None and hello.window and peer.status is PeerStatus.READY:
             self.core.outbox.post(
