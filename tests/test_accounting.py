@@ -94,6 +94,28 @@ async def test_a_slow_consumer_makes_an_inline_sender_wait() -> None:
 
 
 @pytest.mark.asyncio
+async def test_a_slow_consumer_in_another_process_bounds_what_the_sender_gets_out() -> None:
+    """Two processes: B takes one delivery per 10 ms. What A gets out in 3 s is bounded
+    by B's window plus what B can have taken (at most 100 a second), whatever A's speed."""
+    peer = _sink("--delay", "0.01")
+    try:
+        async with Endpoint("src", address=ipc_address("src"), peers={"sink": peer.address}) as ep:
+            await ep.wait_peer("sink", 30)
+            chunk = torch.ones(256)  # 1 KiB: inline
+            sent = 0
+            with anyio.move_on_after(3):
+                while True:
+                    await ep.stream("sink", chunk, request_id="slow")
+                    sent += 1
+            charge = 256 + 1024 + 64 + len(codec.dumps(chunk).header)
+            assert ep.counters["window_waits"] >= 1
+            assert sent <= (4 << 20) // charge + 1 + 3 * 100 + 50, sent
+    finally:
+        if peer.proc.poll() is None:
+            peer.kill()
+
+
+@pytest.mark.asyncio
 async def test_a_peer_that_ignores_the_window_ends_its_own_session() -> None:
     """Was: 24 stream ends with 15 MiB of metadata each grew a paused receiver by 0.5 GiB."""
     async with victim_and_friend() as (victim, friend):
