@@ -85,9 +85,9 @@ class RingWriter:
             RuntimeError: no ``loop`` given and no event loop is running.
         """
         check_platform()
-        check_name(name, owner_pid)
+        pid = check_name(name, owner_pid)
         loop = loop if loop is not None else asyncio.get_running_loop()
-        files = RingFiles.attach(name, directory)
+        files = RingFiles.attach(name, directory, pid)
         try:
             writer = cls(files, loop, max_frame)
         except BaseException:
