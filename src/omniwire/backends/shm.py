@@ -132,11 +132,12 @@ class Segment:
         try:
             if sealed:
                 fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+                os.fchmod(fd, 0o600)  # a memfd starts 0777: only our uid may reopen it
                 os.ftruncate(fd, size)
             else:
                 fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
                 named = True
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # the owner lives (§9.2)
             try:
                 os.posix_fallocate(fd, 0, size)
             except OSError as exc:
