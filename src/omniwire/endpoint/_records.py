@@ -193,6 +193,7 @@ class Peer:
     ring_reader: RingReader | None = None  # created by us for its frames
     ring_writer: RingWriter | None = None  # its reader, attached: our frames go there
     ring_attached: str = ""  # the name of the peer's ring we attached to
+    ring_attaching: str = ""  # the name of the peer's ring we are attaching to
     ring_reading: bool = False  # our ring's reader loop runs
     # sending
     chunk_ids: dict[str, int] = field(default_factory=dict)
