@@ -1,11 +1,12 @@
 """``shm``: POSIX shared memory between processes of one host.
 
-Each sending endpoint owns one **arena**: a segment in /dev/shm created on its
-first send (space reserved with ``posix_fallocate`` so a full /dev/shm is a clear
-``ShmFullError``, never a SIGBUS), pre-faulted (``MAP_POPULATE``), and carved into
-reusable slots by the shared slot pool (:mod:`omniwire.backends.pool`). Packing
-writes straight into a slot; the receiver maps the arena once and reads views of
-the slot. An endpoint that only receives creates no arena.
+Each sending endpoint owns one **arena**: a segment created on its first send
+(space reserved with ``posix_fallocate`` so that no memory is a clear
+``ShmFullError``, never a SIGBUS), pre-faulted (``MAP_POPULATE``: our own memory),
+and carved into reusable slots by the shared slot pool
+(:mod:`omniwire.backends.pool`). Packing writes straight into a slot; the receiver
+maps the arena once and reads views of the slot. An endpoint that only receives
+creates no arena.
 
 Objects over half the arena never wait behind others (a 1 KiB slot anywhere in
 the arena would keep them waiting): up to ``large_segments`` extra segments of the
@@ -14,14 +15,30 @@ receiver keeps them mapped like the arena. An object that finds no room either
 way — or is larger than the arena — gets a dedicated segment, unlinked when it is
 acknowledged.
 
+Sealed segments (spec §9.2; ``sealed=False`` makes 1.1's plain files instead). A
+segment is a memfd sealed at its size (``F_SEAL_SHRINK | F_SEAL_GROW |
+F_SEAL_SEAL``), named in /dev/shm by a symlink to ``/proc/<pid>/fd/<n>``. Nobody,
+its owner included, can then shrink it, so a receiver's mapping of it can never
+fault, whatever the sender does: a peer that truncates what it shares could
+otherwise kill the receiving process (SIGBUS), not just its own session. The
+receiver opens names only through :func:`._peermem.open_shared`, which follows
+that one kind of link to a sealed memfd of the announcing pid and its name, or
+opens a plain file with ``O_NOFOLLOW`` — and a plain file (a 1.1 sender's) is
+read with ``pread``, never mapped (a truncation is then a short read: a NACK). It
+never pre-faults a peer's memory (a sparse segment costs it only what it reads):
+a dedicated segment is mapped for the object's range, a long-lived one whole,
+once, untouched but for what objects use. Older readers open the link like a file
+and map the memfd, so nothing on the wire changes.
+
 Ownership (as in ``multiprocessing.shared_memory``, but without its resource
 tracker): the creator owns a segment, holds an exclusive ``flock`` on it for its
-lifetime, and unlinks it exactly once. Readers only map and unmap.
+lifetime, and unlinks its name exactly once (then closes it). Readers only map
+and unmap.
 
 Segments are named ``omniwire-<pid>-<token>-<n>``. A segment whose owner died
-(its pid is gone and its ``flock`` can be taken) is swept by the next endpoint
-that starts, and by the peer that mapped it when that peer closes or sees the
-owner die — so nothing is left in /dev/shm after a SIGKILL.
+(its pid is gone and, for a plain file, its ``flock`` can be taken) is swept by
+the next endpoint that starts, and by the peer that mapped it when that peer
+closes or sees the owner die — so nothing is left in /dev/shm after a SIGKILL.
 
 Hello info (``BackendInfo.info``): msgpack ``{"prefix": "omniwire-<pid>-<token>"}``.
 Reference (``BackendRef.info``): msgpack ``{"segment": str, "offset": u64, "size": u64,
@@ -380,7 +397,10 @@ class ShmBackend(ByteBackend):
     64 MiB), ``directory`` (default /dev/shm), ``arena_wait`` (seconds an object of at
     most half the arena waits for a free slot before it gets a dedicated segment,
     default 1), ``large_segments`` (how many kept segments of the arena's size carry
-    objects over half the arena, default 2; 0: a dedicated segment each).
+    objects over half the arena, default 2; 0: a dedicated segment each), ``sealed``
+    (default True: sealed memfds behind links; False: plain files, for peers in
+    another PID namespace that share /dev/shm — a receiver then copies with
+    ``pread``, even in zero-copy mode).
 
     An object larger than the arena always gets a dedicated segment. One that fits
     but finds the arena full waits for ACKs to free a slot (warm memory beats a

@@ -1,7 +1,8 @@
 """A ring's files in /dev/shm: names, creating and attaching them, unlinking them.
 
 A ring ``omniwire-<reader pid>-<hex>`` is three files: ``-0`` the segment (header +
-data, by ``Segment.create``), ``-1`` the reader's doorbell and ``-2`` the writer's.
+data, by ``Segment.create``: a sealed memfd behind a link), ``-1`` the reader's
+doorbell and ``-2`` the writer's.
 The reader creates all three and keeps its doorbell ``flock``-ed, so that
 ``sweep_stale_segments`` removes them if it dies before unlinking them itself; the
 writer attaches and locks its own doorbell. :class:`RingFiles` is one side's hold
