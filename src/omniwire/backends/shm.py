@@ -1,11 +1,12 @@
 """``shm``: POSIX shared memory between processes of one host.
 
-Each sending endpoint owns one **arena**: a segment in /dev/shm created on its
-first send (space reserved with ``posix_fallocate`` so a full /dev/shm is a clear
-``ShmFullError``, never a SIGBUS), pre-faulted (``MAP_POPULATE``), and carved into
-reusable slots by the shared slot pool (:mod:`omniwire.backends.pool`). Packing
-writes straight into a slot; the receiver maps the arena once and reads views of
-the slot. An endpoint that only receives creates no arena.
+Each sending endpoint owns one **arena**: a segment created on its first send
+(space reserved with ``posix_fallocate`` so that no memory is a clear
+``ShmFullError``, never a SIGBUS), pre-faulted (``MAP_POPULATE``: our own memory),
+and carved into reusable slots by the shared slot pool
+(:mod:`omniwire.backends.pool`). Packing writes straight into a slot; the receiver
+maps the arena once and reads views of the slot. An endpoint that only receives
+creates no arena.
 
 Objects over half the arena never wait behind others (a 1 KiB slot anywhere in
 the arena would keep them waiting): up to ``large_segments`` extra segments of the
@@ -14,14 +15,30 @@ receiver keeps them mapped like the arena. An object that finds no room either
 way — or is larger than the arena — gets a dedicated segment, unlinked when it is
 acknowledged.
 
+Sealed segments (spec §9.2; ``sealed=False`` makes 1.1's plain files instead). A
+segment is a memfd sealed at its size (``F_SEAL_SHRINK | F_SEAL_GROW |
+F_SEAL_SEAL``), named in /dev/shm by a symlink to ``/proc/<pid>/fd/<n>``. Nobody,
+its owner included, can then shrink it, so a receiver's mapping of it can never
+fault, whatever the sender does: a peer that truncates what it shares could
+otherwise kill the receiving process (SIGBUS), not just its own session. The
+receiver opens names only through :func:`._peermem.open_shared`, which follows
+that one kind of link to a sealed memfd of the announcing pid and its name, or
+opens a plain file with ``O_NOFOLLOW`` — and a plain file (a 1.1 sender's) is
+read with ``pread``, never mapped (a truncation is then a short read: a NACK). It
+never pre-faults a peer's memory (a sparse segment costs it only what it reads):
+a dedicated segment is mapped for the object's range, a long-lived one whole,
+once, untouched but for what objects use. Older readers open the link like a file
+and map the memfd, so nothing on the wire changes.
+
 Ownership (as in ``multiprocessing.shared_memory``, but without its resource
 tracker): the creator owns a segment, holds an exclusive ``flock`` on it for its
-lifetime, and unlinks it exactly once. Readers only map and unmap.
+lifetime, and unlinks its name exactly once (then closes it). Readers only map
+and unmap.
 
 Segments are named ``omniwire-<pid>-<token>-<n>``. A segment whose owner died
-(its pid is gone and its ``flock`` can be taken) is swept by the next endpoint
-that starts, and by the peer that mapped it when that peer closes or sees the
-owner die — so nothing is left in /dev/shm after a SIGKILL.
+(its pid is gone and, for a plain file, its ``flock`` can be taken) is swept by
+the next endpoint that starts, and by the peer that mapped it when that peer
+closes or sees the owner die — so nothing is left in /dev/shm after a SIGKILL.
 
 Hello info (``BackendInfo.info``): msgpack ``{"prefix": "omniwire-<pid>-<token>"}``.
 Reference (``BackendRef.info``): msgpack ``{"segment": str, "offset": u64, "size": u64,
@@ -41,6 +58,7 @@ import mmap
 import os
 import re
 import secrets
+import stat
 from typing import ClassVar
 
 import anyio
@@ -50,7 +68,9 @@ import torch
 
 from ..errors import BackendClosedError, BackendError, BadReferenceError, ShmFullError
 from ..hostinfo import pid_alive
+from ._peermem import SEALS, Opened, open_shared, pread_into
 from .base import (
+    THREAD_COPY_THRESHOLD,
     Availability,
     BackendContext,
     ByteBackend,
@@ -92,13 +112,15 @@ _encoder = msgspec.msgpack.Encoder()
 
 
 class Segment:
-    """One mapped shared-memory segment. ``base`` is a uint8 tensor over all of it."""
+    """One mapped shared-memory segment. ``base`` is a uint8 tensor over the mapping,
+    which starts at byte ``start`` of the segment (0 unless a range was mapped)."""
 
-    def __init__(self, name: str, size: int, mm: mmap.mmap, fd: int | None) -> None:
+    def __init__(self, name: str, size: int, mm: mmap.mmap, fd: int | None, start: int = 0) -> None:
         self.name = name
         self.size = size
+        self.start = start
         self._mm: mmap.mmap | None = mm
-        self._fd = fd  # kept open by the owner: it holds the flock
+        self._fd = fd  # kept open by the owner: the memfd itself, or the flock
         # Through numpy, not torch.frombuffer: a numpy array holds a buffer export, so
         # the mapping cannot be closed under a live view (torch.frombuffer holds none,
         # and closing would unmap memory that zero-copy tensors still point at).
@@ -106,62 +128,98 @@ class Segment:
         self.unlinked = False
 
     @classmethod
-    def create(cls, name: str, size: int, directory: str = SHM_DIR) -> Segment:
+    def create(
+        cls, name: str, size: int, directory: str = SHM_DIR, *, sealed: bool = True
+    ) -> Segment:
         """Create, reserve and pre-fault a segment this process owns.
 
+        ``sealed`` (the default): a memfd sealed at its size (``F_SEAL_SHRINK |
+        F_SEAL_GROW | F_SEAL_SEAL``), named ``name`` by a symlink in ``directory`` to
+        ``/proc/<pid>/fd/<n>``; else a plain file ``name`` there (1.1's segments).
+
         Raises:
-            ShmFullError: /dev/shm has no room for ``size`` bytes.
+            ShmFullError: ``directory`` has no room for ``size`` bytes (a sealed
+                segment is not charged to it, but may not exceed its free space).
             BackendError: any other OS error.
         """
         path = os.path.join(directory, name)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        if sealed and size > _free_bytes(directory):
+            raise _full(directory, size)
+        fd, named = -1, False
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if sealed:
+                fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+                os.fchmod(fd, 0o600)  # a memfd starts 0777: only our uid may reopen it
+                os.ftruncate(fd, size)
+            else:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+                named = True
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # the owner lives (§9.2)
             try:
                 os.posix_fallocate(fd, 0, size)
             except OSError as exc:
                 if exc.errno in (errno.ENOSPC, errno.EFBIG, errno.ENOMEM):
-                    free = _free_bytes(directory)
-                    raise ShmFullError(
-                        f"{directory} has no room for a {mib(size)} shared-memory segment "
-                        f"({mib(free)} free): enlarge {directory} or lower the shm "
-                        "backend's arena_size"
-                    ) from exc
+                    raise _full(directory, size) from exc
                 raise
             mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _MAP_POPULATE)
+            if sealed:
+                fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS | fcntl.F_SEAL_SEAL)
+                os.symlink(f"/proc/{os.getpid()}/fd/{fd}", path)
+                named = True
         except BaseException as exc:
-            os.close(fd)
-            _unlink_quietly(path)
+            if fd >= 0:
+                os.close(fd)
+            if named:
+                _unlink_quietly(path)
             if isinstance(exc, OSError):
                 raise BackendError(f"cannot create shared memory {path}: {exc}") from exc
             raise
         return cls(name, size, mm, fd)
 
     @classmethod
-    def attach(cls, name: str, directory: str = SHM_DIR) -> Segment:
-        """Map an existing segment owned by another process.
+    def map(cls, opened: Opened, offset: int = 0, length: int | None = None) -> Segment:
+        """Map bytes ``[offset, offset + length)`` (default: all) of a sealed segment
+        opened by :func:`open_shared`, read-write, page-aligned, not pre-faulted: only
+        the pages the reader touches are ever allocated. The descriptor stays the
+        caller's.
 
         Raises:
+            BackendError: the range cannot be mapped.
+        """
+        assert opened.sealed, "only a sealed segment may be mapped: its size cannot change"
+        end = opened.size if length is None else offset + length
+        start = offset - offset % mmap.ALLOCATIONGRANULARITY
+        stop = min(-(-max(end, start + 1) // mmap.PAGESIZE) * mmap.PAGESIZE, opened.size)
+        try:
+            mm = mmap.mmap(opened.fd, stop - start, flags=mmap.MAP_SHARED, offset=start)
+        except (OSError, ValueError, OverflowError) as exc:
+            raise BackendError(f"cannot map shared memory {opened.name}: {exc}") from exc
+        return cls(opened.name, opened.size, mm, None, start)
+
+    @classmethod
+    def attach(cls, name: str, directory: str = SHM_DIR) -> Segment:
+        """Map, whole and read-write, the sealed segment ``name`` of the process whose
+        pid it carries, checked by :func:`~._peermem.open_shared` (for tests and
+        tools; receivers map only what a reference names).
+
+        Raises:
+            BadReferenceError: it is not a sealed segment of that process.
             BackendError: it does not exist or cannot be mapped.
         """
-        path = os.path.join(directory, name)
+        m = _NAME.match(name)
+        if m is None:
+            raise BadReferenceError(f"{name[:80]!r} is not an omniwire segment name")
+        opened = open_shared(directory, name, int(m.group(1)), write=True)
         try:
-            fd = os.open(path, os.O_RDWR)
-        except OSError as exc:
-            raise BackendError(f"cannot open shared memory {path}: {exc}") from exc
-        try:
-            size = os.fstat(fd).st_size
-            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _MAP_POPULATE) if size else None
-        except OSError as exc:
-            raise BackendError(f"cannot map shared memory {path}: {exc}") from exc
+            if not opened.sealed:
+                raise BadReferenceError(f"{name} is not sealed: read it, do not map it")
+            return cls.map(opened)
         finally:
-            os.close(fd)
-        if mm is None:
-            raise BackendError(f"shared memory {path} is empty")
-        return cls(name, size, mm, None)
+            opened.close()
 
     def view(self, offset: int, length: int) -> torch.Tensor:
-        return self.base[offset : offset + length]
+        at = offset - self.start
+        return self.base[at : at + length]
 
     def close(self) -> None:
         """Unmap (now if no view is alive, else when the last view is collected)."""
@@ -176,10 +234,19 @@ class Segment:
             self._fd = None
 
     def unlink(self, directory: str = SHM_DIR) -> None:
-        """Remove the name (owner only, once). Mappings stay valid until closed."""
+        """Remove the name (owner only, once, before :meth:`close`: a sealed
+        segment's name points at the descriptor). Mappings stay valid until closed."""
         if not self.unlinked:
             self.unlinked = True
             _unlink_quietly(os.path.join(directory, self.name))
+
+
+def _full(directory: str, size: int) -> ShmFullError:
+    return ShmFullError(
+        f"{directory} has no room for a {mib(size)} shared-memory segment "
+        f"({mib(_free_bytes(directory))} free): enlarge {directory} or lower the shm "
+        "backend's arena_size"
+    )
 
 
 def _free_bytes(directory: str) -> int:
@@ -199,8 +266,11 @@ def _owner_dead(path: str, pid: int) -> bool:
     """True if the segment's creator is gone: its pid is dead and nobody holds its lock."""
     if pid == os.getpid() or pid_alive(pid):
         return False
+    with contextlib.suppress(OSError):
+        if stat.S_ISLNK(os.lstat(path).st_mode):
+            return True  # a sealed segment's name: its memfd died with its process
     try:  # O_NONBLOCK: a ring's doorbell is a FIFO, which would block a plain open
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
     except OSError:
         return False
     try:
@@ -256,20 +326,70 @@ class _ShmExport(Export):
 
 
 class _ShmImport(Import):
-    """A view of the sender's segment (mapped once per segment and peer)."""
+    """A view of the peer's sealed segment: of its mapping kept for the peer, or of a
+    mapping of this object's range only (``own``), unmapped when the import closes."""
 
     def __init__(
-        self, backend: ShmBackend, peer: PeerInfo, nbytes: int, view: torch.Tensor, ref: _Ref
+        self,
+        backend: ShmBackend,
+        peer: PeerInfo,
+        nbytes: int,
+        view: torch.Tensor,
+        own: Segment | None = None,
     ) -> None:
         super().__init__(backend, peer, nbytes, buffer=view)
-        self.shm = backend
-        self.ref = ref
+        self._own = own
 
     def _close(self) -> None:
-        if self.ref.dedicated:  # used once: unmap now (views alive keep it until collected)
-            seg = self.shm._mapped.get(self.peer.key, {}).pop(self.ref.segment, None)
-            if seg is not None:
-                seg.close()
+        if self._own is not None:  # views still alive keep it mapped until collected
+            self._own.close()
+            self._own = None
+
+
+class _ReadImport(Import):
+    """An object in a plain (unsealed) file: its owner may truncate it at any time, so
+    it is never mapped; :meth:`fetch` reads it with ``pread`` (a truncation is a short
+    read: :class:`BackendError`). A zero-copy receiver gets a copy of its own."""
+
+    def __init__(
+        self,
+        backend: ShmBackend,
+        peer: PeerInfo,
+        nbytes: int,
+        src: Opened,
+        offset: int,
+        *,
+        own: bool,
+    ) -> None:
+        super().__init__(backend, peer, nbytes)
+        self._src = src
+        self._offset = offset
+        self._own = own  # a descriptor for this object only: closed with the import
+
+    async def fetch(self, lo: int, hi: int, dest: torch.Tensor | None = None) -> None:
+        if hi <= lo:
+            return
+        if dest is None:
+            if self.buffer is None:
+                self.buffer = torch.empty(self.nbytes, dtype=torch.uint8)
+            dest = self.buffer
+        target = dest[lo:hi].numpy().data
+        what = f"shm segment {self._src.name} of {self.peer.name!r}"
+        if hi - lo >= THREAD_COPY_THRESHOLD:
+            await anyio.to_thread.run_sync(
+                pread_into, self._src.fd, target, self._offset + lo, what
+            )
+        else:
+            pread_into(self._src.fd, target, self._offset + lo, what)
+
+    def _close(self) -> None:
+        if self._own:
+            self._src.close()
+
+
+#: Long-lived segments of one peer kept open here (omniwire senders use 1 + large_segments);
+#: beyond it, an object's segment is opened for that object alone.
+MAX_KEPT_SEGMENTS = 16
 
 
 class ShmBackend(ByteBackend):
@@ -277,7 +397,10 @@ class ShmBackend(ByteBackend):
     64 MiB), ``directory`` (default /dev/shm), ``arena_wait`` (seconds an object of at
     most half the arena waits for a free slot before it gets a dedicated segment,
     default 1), ``large_segments`` (how many kept segments of the arena's size carry
-    objects over half the arena, default 2; 0: a dedicated segment each).
+    objects over half the arena, default 2; 0: a dedicated segment each), ``sealed``
+    (default True: sealed memfds behind links; False: plain files, for peers in
+    another PID namespace that share /dev/shm — a receiver then copies with
+    ``pread``, even in zero-copy mode).
 
     An object larger than the arena always gets a dedicated segment. One that fits
     but finds the arena full waits for ACKs to free a slot (warm memory beats a
@@ -304,6 +427,7 @@ class ShmBackend(ByteBackend):
             self.directory = str(opts.get("directory", SHM_DIR))
             self.arena_wait = float(opts.get("arena_wait", 1.0))
             large = int(opts.get("large_segments", 2))
+            self.sealed = bool(opts.get("sealed", True))
         except (TypeError, ValueError) as exc:
             raise BackendError(f"shm: bad options {dict(opts)!r}: {exc}") from None
         self.prefix = f"{PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
@@ -319,7 +443,7 @@ class ShmBackend(ByteBackend):
             keep=max(large, 0),
         )
         # receiver side: peer key -> the segments of it mapped here
-        self._mapped: dict[tuple[str, int], dict[str, Segment]] = {}
+        self._mapped: dict[tuple[str, int], dict[str, Segment | Opened]] = {}
         self._prefixes: dict[tuple[str, int], str] = {}
         self._closed = False
 
@@ -359,7 +483,8 @@ class ShmBackend(ByteBackend):
         self._prefixes[peer.key] = prefix
 
     def _new_segment(self, size: int) -> Segment:
-        return Segment.create(f"{self.prefix}-{next(self._seq)}", size, self.directory)
+        name = f"{self.prefix}-{next(self._seq)}"
+        return Segment.create(name, size, self.directory, sealed=self.sealed)
 
     def _drop_segment(self, seg: Segment) -> None:
         seg.unlink(self.directory)
@@ -417,20 +542,55 @@ class ShmBackend(ByteBackend):
                 f"shm reference from {peer.name!r} has size {r.size} != {nbytes}"
             )
         segments = self._mapped.setdefault(peer.key, {})
-        seg = segments.get(r.segment)
-        if seg is None:
-            seg = await anyio.to_thread.run_sync(Segment.attach, r.segment, self.directory)
-            segments[r.segment] = seg
-        if r.offset + r.size > seg.size:
+        held = segments.get(r.segment)
+        if held is not None:
+            self._check_bounds(peer, r, held.size)
+        elif r.size == 0:
+            return _ShmImport(self, peer, 0, torch.empty(0, dtype=torch.uint8))
+        else:
+            # Checked before anything is mapped, off the loop (_peermem: a link must
+            # lead to a sealed memfd of the peer's; a plain file is read, never mapped).
+            # Read-write, as before: zero-copy views are writable tensors, and a write
+            # into a read-only mapping would fault. We never write to it ourselves.
+            opened: Opened | None = await anyio.to_thread.run_sync(
+                open_shared, self.directory, r.segment, peer.pid, True
+            )
+            assert opened is not None
+            keep = not r.dedicated and len(segments) < MAX_KEPT_SEGMENTS
+            try:
+                self._check_bounds(peer, r, opened.size)
+                if self._closed:
+                    raise BackendClosedError("shm backend is closed")
+                if not opened.sealed:
+                    if not keep:
+                        return _ReadImport(self, peer, nbytes, opened, r.offset, own=True)
+                    segments[r.segment] = held = opened
+                    opened = None  # kept
+                elif not keep:  # this object's pages only, unmapped when it closes
+                    seg = Segment.map(opened, r.offset, r.size)
+                    return _ShmImport(self, peer, nbytes, seg.view(r.offset, r.size), seg)
+                else:  # mapped whole, once; nothing is touched but what objects use
+                    segments[r.segment] = held = Segment.map(opened)
+            except BaseException:
+                if opened is not None:
+                    opened.close()
+                raise
+            if opened is not None and opened.sealed:
+                opened.close()  # the mapping stays
+        if isinstance(held, Segment):
+            return _ShmImport(self, peer, nbytes, held.view(r.offset, r.size))
+        return _ReadImport(self, peer, nbytes, held, r.offset, own=False)
+
+    def _check_bounds(self, peer: PeerInfo, r: _Ref, size: int) -> None:
+        if r.offset + r.size > size:
             raise BadReferenceError(
                 f"shm reference from {peer.name!r} spans [{r.offset}, {r.offset + r.size}) "
-                f"outside segment {r.segment} of {seg.size} bytes"
+                f"outside segment {r.segment} of {size} bytes"
             )
-        return _ShmImport(self, peer, nbytes, seg.view(r.offset, r.size), r)
 
     async def disconnect(self, peer: PeerInfo) -> None:
-        for seg in self._mapped.pop(peer.key, {}).values():
-            seg.close()
+        for held in self._mapped.pop(peer.key, {}).values():
+            held.close()
         prefix = self._prefixes.pop(peer.key, None)
         if prefix is not None:  # if the peer died, nobody else will unlink its segments
             self._sweep_prefix(prefix)
@@ -448,8 +608,8 @@ class ShmBackend(ByteBackend):
             return
         self._closed = True
         for segments in self._mapped.values():
-            for seg in segments.values():
-                seg.close()
+            for held in segments.values():
+                held.close()
         self._mapped.clear()
         for prefix in self._prefixes.values():
             self._sweep_prefix(prefix)

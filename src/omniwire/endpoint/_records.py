@@ -195,6 +195,7 @@ class Peer:
     ring_reader: RingReader | None = None  # created by us for its frames
     ring_writer: RingWriter | None = None  # its reader, attached: our frames go there
     ring_attached: str = ""  # the name of the peer's ring we attached to
+    ring_attaching: str = ""  # the name of the peer's ring we are attaching to
     ring_reading: bool = False  # our ring's reader loop runs
     # flow control of DataReady charge (spec §7.6), both directions, per session
     window: Window = field(default_factory=lambda: Window(0))  # what the peer grants us

@@ -11,7 +11,7 @@ from .. import wire
 from ..ring import RingError, RingReader, RingWriter
 from ._core import Core, State
 from ._handshake import hello_of
-from ._records import Peer
+from ._records import Peer, PeerStatus
 
 __all__ = ["attach_ring", "offer_ring"]
 
@@ -40,21 +40,17 @@ def offer_ring(core: Core, peer: Peer, hello: wire.HelloMessage) -> bool:
 def attach_ring(
     core: Core, peer: Peer, hello: wire.HelloMessage, on_ring: Callable[[Peer, RingReader], None]
 ) -> None:
-    """Attach to the ring the peer offers; the next Hello (on ZeroMQ) says so, and
-    every frame after it goes through the ring. Start reading ours once the peer
-    said it attached (everything it sent by ZeroMQ before has been read then)."""
-    if hello.ring and hello.ring != peer.ring_attached and _ring_ok(core, hello):
-        try:
-            writer = RingWriter.attach(hello.ring, owner_pid=hello.pid)
-        except (RingError, OSError) as exc:
-            core.noisy.warning("ring", "%s: cannot use %s's ring: %s", core.name, peer.name, exc)
-        else:
-            if peer.ring_writer is not None:  # a new ring in the same session
-                peer.ring_writer.close()
-                peer.ring_writer = None  # the fence below still goes by ZeroMQ
-            peer.ring_attached = hello.ring
-            core.outbox.post(peer, hello_of(core, peer, reply=True, ring_attached=hello.ring))
-            core.outbox.switch_to_ring(peer, writer)
+    """Attach to the ring the peer offers (its files are checked off the loop); the
+    next Hello (on ZeroMQ) says so, and every frame after it goes through the ring.
+    Start reading ours once the peer said it attached (everything it sent by ZeroMQ
+    before has been read then)."""
+    if (
+        hello.ring
+        and hello.ring not in (peer.ring_attached, peer.ring_attaching)
+        and _ring_ok(core, hello)
+    ):
+        peer.ring_attaching = hello.ring
+        core.supervisor.spawn(_attach, core, peer, hello, peer.generation)
     reader = peer.ring_reader
     attached = reader is not None and hello.ring_attached == reader.name
     if attached and reader is not None and not peer.ring_reading:
@@ -72,3 +68,27 @@ def attach_ring(
             return
         peer.ring_reading = True
         on_ring(peer, reader)
+
+
+async def _attach(core: Core, peer: Peer, hello: wire.HelloMessage, generation: int) -> None:
+    try:
+        writer = await RingWriter.open(hello.ring, owner_pid=hello.pid)
+    except (RingError, OSError) as exc:
+        core.noisy.warning("ring", "%s: cannot use %s's ring: %s", core.name, peer.name, exc)
+        return
+    finally:
+        if peer.ring_attaching == hello.ring:
+            peer.ring_attaching = ""
+    if (
+        peer.generation != generation
+        or peer.status in (PeerStatus.LOST, PeerStatus.CLOSED)
+        or not _ring_ok(core, hello)
+    ):
+        writer.close()  # the session it was offered in is over
+        return
+    if peer.ring_writer is not None:  # a new ring in the same session
+        peer.ring_writer.close()
+        peer.ring_writer = None  # the fence below still goes by ZeroMQ
+    peer.ring_attached = hello.ring
+    core.outbox.post(peer, hello_of(core, peer, reply=True, ring_attached=hello.ring))
+    core.outbox.switch_to_ring(peer, writer)

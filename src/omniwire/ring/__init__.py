@@ -19,8 +19,13 @@ are ``omniwire-<reader pid>-<hex>-<n>`` files that the reader keeps ``flock``-ed
 exactly like the shm backend's segments, so ``sweep_stale_segments`` removes
 them if the reader dies first:
 
-- ``<name>-0`` the segment (header + data), created by ``Segment.create``
-  (0600, ``posix_fallocate``, pre-faulted);
+- ``<name>-0`` the segment (header + data), created by ``Segment.create``: a memfd
+  (0600, ``posix_fallocate``, pre-faulted) sealed at its size, which this name, a
+  link to ``/proc/<pid>/fd/<n>``, points at. Sealed, it cannot shrink: neither
+  side can pull pages from under the other's mapping (a SIGBUS that would kill
+  the whole process, not just the session). The writer opens it only through
+  ``backends._peermem.open_shared``, checks its seals, size and header (``pread``)
+  before mapping it, and does that in a worker thread (:meth:`RingWriter.open`);
 - ``<name>-1`` the reader's doorbell, a FIFO the writer rings when there are frames;
 - ``<name>-2`` the writer's doorbell, a FIFO the reader rings when there is room.
 

@@ -38,7 +38,7 @@ class Doorbell:
     def open(cls, path: str, what: str) -> Doorbell:
         """Open the FIFO at ``path`` (``what`` names it in errors), non-blocking."""
         try:
-            fd = os.open(path, os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC)
+            fd = os.open(path, os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOFOLLOW)
         except OSError as exc:
             raise RingError(f"cannot open the {what} doorbell {path}: {exc}") from exc
         try:

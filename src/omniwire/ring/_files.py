@@ -1,7 +1,8 @@
 """A ring's files in /dev/shm: names, creating and attaching them, unlinking them.
 
 A ring ``omniwire-<reader pid>-<hex>`` is three files: ``-0`` the segment (header +
-data, by ``Segment.create``), ``-1`` the reader's doorbell and ``-2`` the writer's.
+data, by ``Segment.create``: a sealed memfd behind a link), ``-1`` the reader's
+doorbell and ``-2`` the writer's.
 The reader creates all three and keeps its doorbell ``flock``-ed, so that
 ``sweep_stale_segments`` removes them if it dies before unlinking them itself; the
 writer attaches and locks its own doorbell. :class:`RingFiles` is one side's hold
@@ -14,6 +15,7 @@ import contextlib
 import os
 import secrets
 
+from ..backends._peermem import OwnerGoneError, open_shared
 from ..backends.shm import PREFIX_RE, Segment
 from ..errors import BackendError, OmniwireError, ShmFullError
 from ._doorbell import Doorbell
@@ -32,13 +34,15 @@ from ._layout import (
 __all__ = ["Mapping", "RingFiles", "check_name"]
 
 
-def check_name(name: str, owner_pid: int | None) -> None:
-    """Refuse a malformed ring name, or (given ``owner_pid``) one of another process."""
+def check_name(name: str, owner_pid: int | None) -> int:
+    """Refuse a malformed ring name, or (given ``owner_pid``) one of another process;
+    the pid in the name."""
     m = PREFIX_RE.match(name)
     if m is None:
         raise RingError(f"ring name {name[:80]!r} is not 'omniwire-<pid>-<hex>'")
     if owner_pid is not None and int(m.group(1)) != owner_pid:
         raise RingError(f"ring {name!r} is not a ring of process {owner_pid}")
+    return int(m.group(1))
 
 
 def _path(directory: str, name: str, n: int) -> str:
@@ -126,24 +130,43 @@ class RingFiles:
         return cls(name, directory, capacity, mapping, bells[0], bells[1], W_READER_CLOSED)
 
     @classmethod
-    def attach(cls, name: str, directory: str) -> RingFiles:
-        """Attach to the ring ``name`` (checked by :func:`check_name`) as its writer:
-        check its header, that it has no writer and that its reader lives, and lock
-        the writer's doorbell."""
+    def attach(cls, name: str, directory: str, owner_pid: int) -> RingFiles:
+        """Attach to the ring ``name`` of process ``owner_pid`` (checked by
+        :func:`check_name`) as its writer: check that its segment is sealed, its size
+        and its header — read with ``pread``, before anything is mapped — that it has
+        no writer and that its reader lives, and lock the writer's doorbell.
+
+        A segment that is not a sealed memfd (a plain file, as 1.1 made them) is
+        refused: its owner could truncate it under our mapping (SIGBUS)."""
         try:
-            segment = Segment.attach(f"{name}-0", directory)
+            opened = open_shared(directory, f"{name}-0", owner_pid, write=True)
+        except OwnerGoneError as exc:
+            raise RingClosedError(f"the reader of ring {name} is gone: {exc}") from exc
         except OmniwireError as exc:
             raise RingError(f"cannot attach ring {name}: {exc}") from exc
         try:
-            check_size(segment.size, name)
-        except RingError:
-            segment.close()
-            raise
+            if not opened.sealed:
+                raise RingError(
+                    f"ring {name} is a plain file, not a sealed memfd: its reader could "
+                    "shrink it under the writer's mapping"
+                )
+            check_size(opened.size, name)
+            header = os.pread(opened.fd, DATA_OFFSET, 0)
+            if len(header) != DATA_OFFSET:
+                raise RingError(f"ring {name}: its header cannot be read")
+            check_header(memoryview(header).cast("Q"), opened.size, name)
+            segment = Segment.map(opened)  # sealed: its size cannot change from now on
+        except OSError as exc:
+            raise RingError(f"cannot attach ring {name}: {exc}") from exc
+        except BackendError as exc:
+            raise RingError(f"cannot attach ring {name}: {exc}") from exc
+        finally:
+            opened.close()
         mapping = Mapping(segment)
         bells: list[Doorbell] = []
         try:
             w = mapping.words
-            capacity = check_header(w, segment.size, name)
+            capacity = check_header(w, segment.size, name)  # again: it is shared memory
             if w[W_WRITER_PID] != 0:
                 raise RingError(f"ring {name} has a writer already (pid {w[W_WRITER_PID]})")
             if w[W_READER_CLOSED]:

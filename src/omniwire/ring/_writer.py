@@ -8,6 +8,8 @@ import asyncio
 import contextlib
 import logging
 
+import anyio
+
 from ..backends.shm import SHM_DIR
 from ..wire import MAX_FRAME_SIZE
 from ._errors import RingClosedError, RingError
@@ -85,9 +87,37 @@ class RingWriter:
             RuntimeError: no ``loop`` given and no event loop is running.
         """
         check_platform()
-        check_name(name, owner_pid)
+        pid = check_name(name, owner_pid)
         loop = loop if loop is not None else asyncio.get_running_loop()
-        files = RingFiles.attach(name, directory)
+        files = RingFiles.attach(name, directory, pid)
+        try:
+            writer = cls(files, loop, max_frame)
+        except BaseException:
+            files.close()
+            raise
+        files.claim()
+        return writer
+
+    @classmethod
+    async def open(
+        cls,
+        name: str,
+        *,
+        owner_pid: int | None = None,
+        directory: str = SHM_DIR,
+        max_frame: int = MAX_FRAME_SIZE,
+    ) -> RingWriter:
+        """:meth:`attach`, with the checks and the mapping (a peer's files, a few
+        syscalls) in a worker thread, off the running loop.
+
+        Raises:
+            as :meth:`attach`.
+        """
+        check_platform()
+        pid = check_name(name, owner_pid)
+        loop = asyncio.get_running_loop()
+        with anyio.CancelScope(shield=True):  # short; a result dropped would leak its fds
+            files = await anyio.to_thread.run_sync(RingFiles.attach, name, directory, pid)
         try:
             writer = cls(files, loop, max_frame)
         except BaseException:
