@@ -15,6 +15,7 @@ __all__ = [
     "BackendError",
     "BackendUnavailableError",
     "BadReferenceError",
+    "BufferReleasedError",
     "ConfigurationError",
     "DrainTimeoutError",
     "EndpointClosedError",
@@ -60,6 +61,10 @@ class UnsupportedVersionError(WireFormatError):
         super().__init__(message)
         self.major = major
         self.minor = minor
+
+
+class BufferReleasedError(OmniwireError, ValueError):
+    """A transport buffer (``Endpoint.empty``) was used after its ``release()``."""
 
 
 class FrameTooLargeError(OmniwireError, ValueError):

@@ -14,7 +14,9 @@ It runs one :class:`~omniwire.Endpoint` and answers every delivery:
   ``"t"`` (the sender's ``time.monotonic_ns()``), their latency on arrival. A chunk
   with metadata ``{"last": True, "group": G, "streams": K}`` ends its request's
   tally; once K requests of group G ended, G is answered (a payload, request id
-  G) with ``{"n": chunks counted, "lat_ns": int64 tensor of latencies}``.
+  G) with ``{"n": chunks counted, "lat_ns": int64 tensor of latencies}``; a
+  delivery whose metadata has ``"sum": True`` is answered with the sum of its
+  tensor's elements, ``{"sum": float}`` (the consumer read every byte).
 
 In every mode a delivery whose metadata has ``"stats": True`` is answered at once
 with ``{"stats": {backend: [exports, imports]}}`` (metadata ``{"stats": True}``):
@@ -123,6 +125,20 @@ async def _answer_stats(ep: Endpoint, d: Any) -> None:
         print(f"stats answer failed: {type(exc).__name__}: {exc}", file=sys.stderr)
 
 
+async def _answer_sum(ep: Endpoint, d: Any) -> None:
+    """``bench`` mode, metadata ``{"sum": True}``: answer the sum of every element of
+    the payload's tensor (the consumer has read every byte), as ``{"sum": float}``."""
+    tensor = d.payload if isinstance(d.payload, torch.Tensor) else next(iter(d.payload.values()))
+    total = float(tensor.sum())
+    del tensor
+    d.release()  # zero-copy: the sender's memory is free before the answer leaves
+    d.payload = None  # copy mode: the receive buffer goes back to its pool now, warm
+    try:
+        await ep.send(d.from_stage, {"sum": total}, request_id=d.request_id, metadata={"sum": True})
+    except Exception as exc:
+        print(f"sum answer failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+
+
 async def _answer_tally(ep: Endpoint, to: str, group: str, answer: Any) -> None:
     try:
         await ep.send(to, answer, request_id=group, metadata={"tally": True})
@@ -183,6 +199,9 @@ async def run(args: argparse.Namespace) -> int:
                                 await _answer_tally(ep, d.from_stage, *done)
                         elif meta.get("stats"):
                             await _answer_stats(ep, d)
+                            continue
+                        elif args.mode == "bench" and meta.get("sum"):
+                            await _answer_sum(ep, d)
                             continue
                         if args.delay:
                             await anyio.sleep(args.delay)

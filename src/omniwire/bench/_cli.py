@@ -19,6 +19,7 @@ from typing import Any
 
 import anyio
 
+from . import _born as _born_mod
 from . import _scenarios, _table
 from . import _slow as _slow_mod
 from ._model import Results, Scenario
@@ -29,7 +30,7 @@ from ._units import MiB, parse_size
 __all__ = ["SCENARIOS", "Options", "main", "run"]
 
 #: in the order they run; ``idle`` first, before anything is sent
-SCENARIOS = ("idle", "echo", "stream", "mix", "shm", "slow", "table")
+SCENARIOS = ("idle", "echo", "stream", "mix", "shm", "born", "slow", "table")
 SMALL = ("idle", "echo", "stream", "mix")
 
 
@@ -80,6 +81,7 @@ def _steps(opts: Options) -> int:
         "stream": c.rounds + 1,
         "mix": c.mix_rounds + 1,
         "shm": c.shm_rounds + 1,
+        "born": c.shm_rounds + 1,
         "slow": 2,
         "table": _table.steps(
             opts.backends,
@@ -202,6 +204,8 @@ async def run(opts: Options, results: Results) -> Results:
                 results.notes.append("scenarios " + ",".join(small) + " need the raw zmq baseline")
             if "shm" in opts.scenarios:
                 await attempt("shm", lambda: _shm(counts, progress.step))
+            if "born" in opts.scenarios:
+                await attempt("born", lambda: _born(counts, progress.step))
             if "slow" in opts.scenarios:
                 await attempt("slow", lambda: _slow(counts, progress.step))
             if "table" in opts.scenarios:
@@ -243,6 +247,24 @@ async def _shm(counts: _scenarios.Counts, step: Callable[[str], None]) -> Scenar
     ) as (ep, _):
         return await _scenarios.shm_large(
             (ep, "bench-copy"), (ep, "bench-zero-copy"), counts, step, size
+        )
+
+
+async def _born(counts: _scenarios.Counts, step: Callable[[str], None]) -> Scenario:
+    size = 64 * MiB
+    options = {"shm": {"arena_size": 2 * size + 8 * MiB}}
+    shm = ["--backends", "shm", "--routes", '{"{me}": "shm"}']
+    shm += ["--backend-options", json.dumps(options)]
+    peers = {"bench-copy": shm, "bench-zero-copy": [*shm, "--zero-copy"]}
+    async with _endpoint(
+        peers,
+        backends=["shm"],
+        routes={name: "shm" for name in peers},
+        backend_options=options,
+        max_inflight_bytes=options["shm"]["arena_size"] // 2,
+    ) as (ep, _):
+        return await _born_mod.born_large(
+            ep, "bench-copy", "bench-zero-copy", counts.shm_rounds, counts.shm_reps, step, size
         )
 
 

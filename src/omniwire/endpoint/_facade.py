@@ -21,6 +21,8 @@ from collections.abc import Mapping, Sequence
 from types import TracebackType
 from typing import Any, overload
 
+import torch
+
 from ..addresses import parse_address
 from ..backends.base import BackendBase
 from ..delivery import SendReceipt
@@ -31,6 +33,7 @@ from ..errors import (
 from ..observe import Observer, as_observer
 from ..ring import RingReader
 from ..routing import Route, RoutingPolicy
+from ._buffers import TransportBuffer
 from ._config import EndpointConfig
 from ._core import Core, State
 from ._dispatch import Dispatcher
@@ -288,6 +291,32 @@ class Endpoint(Receiving):
         return [p.name for p in self._peers.ready()]
 
     # -- sending ----------------------------------------------------------------------
+
+    async def empty(
+        self,
+        target: str,
+        shape: Sequence[int],
+        dtype: torch.dtype = torch.float32,
+        *,
+        device: str = "cpu",
+    ) -> TransportBuffer:
+        """A tensor born in transport memory: sending it to ``target`` copies nothing.
+
+        On one host it is a slot of this endpoint's shm arena (the receiver's
+        zero-copy delivery is a view of it, a copy-mode delivery one copy); on a route
+        through an engine that reads lent memory in place (mooncake, nixl) it is
+        ordinary memory, lent on every send. Send the tensor itself
+        (``ep.send(target, buf.tensor, ...)``, or ``{"name": buf.tensor}``); write to it
+        only when no send of it is in flight (``await buf.settled()``); give it back
+        with ``buf.release()`` or use ``async with await ep.empty(...) as tensor:``.
+        Another target on the same backend may be sent it too; any other route packs
+        it (one copy) as usual.
+
+        Raises:
+            HandshakeError: ``target`` did not complete its Hello in time.
+            NoRouteError, ShmFullError, BackendError, EndpointClosedError.
+        """
+        return await self._sender.empty(target, tuple(shape), dtype, device)
 
     @overload
     async def send(

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import math
 import sys
 import time
 from typing import Any, Literal
@@ -35,6 +36,7 @@ from ..errors import (
     WireFormatError,
 )
 from ..routing import INLINE, PayloadInfo, Route
+from ._buffers import TransportBuffer
 from ._core import Core
 from ._exporting import export_bytes, publish_rest
 from ._peers import PeerTable
@@ -57,6 +59,10 @@ class Sender:
         self._ids = itertools.count(1)
         self._trace = trace
         self._routes_seen: set[tuple[str, str, str]] = set()
+        #: live transport buffers (``Endpoint.empty``), by their tensor's data_ptr, and
+        #: the last released ones (at most 256: a send of one is a clear error)
+        self.born: dict[int, TransportBuffer] = {}
+        self.released: dict[int, TransportBuffer] = {}
 
     # -- the API ---------------------------------------------------------------------
 
@@ -98,9 +104,61 @@ class Sender:
             peer = await self.peers.wait_ready(target, core.config.handshake_timeout)
             layout = packing.plan(enc.tensors, enc.paths)
             route = self.select(peer, payload_info(kind, enc.tensors, layout))
-            return await self.send_routed(
-                peer, route, enc, layout, payload, request_id, kind, meta, lend, traceparent
+            born = self._born(enc.tensors)
+            if born is None:
+                return await self.send_routed(
+                    peer, route, enc, layout, payload, request_id, kind, meta, lend, traceparent
+                )
+            receipt = await self.send_routed(
+                peer,
+                route,
+                enc,
+                layout,
+                payload,
+                request_id,
+                kind,
+                meta,
+                lend or born.backend is None,  # ordinary memory: lent to the engine
+                traceparent,
+                born.shared_for(route.backend),  # BufferReleasedError; None: packed as usual
             )
+            born.sent(receipt)
+            return receipt
+
+    def _born(self, tensors: list[torch.Tensor]) -> TransportBuffer | None:
+        """The transport buffer a payload of one tensor is, if it is one, whole."""
+        if len(tensors) != 1 or not (self.born or self.released):
+            return None
+        key = tensors[0].data_ptr()
+        buf = self.born.get(key) or self.released.get(key)
+        return buf if buf is not None and buf.matches(tensors[0]) else None
+
+    async def empty(
+        self, target: str, shape: tuple[int, ...], dtype: torch.dtype, device: str
+    ) -> TransportBuffer:
+        """A transport buffer for ``target`` (see ``_buffers``)."""
+        core = self.core
+        core.check_open()
+        peer = await self.peers.wait_ready(target, core.config.handshake_timeout)
+        nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+        info = PayloadInfo("payload", nbytes, frozenset({torch.device(device).type}), 1)
+        route = self.select(peer, info)
+        backend = core.backends.get(route.backend)
+        if (
+            isinstance(backend, ByteBackend)
+            and type(backend).capabilities.shared_refs
+            and device == "cpu"
+        ):
+            pinfo = self.peers.connected_backend(peer, route.backend)
+            export = await backend.export(pinfo, nbytes, device)
+            assert export.buffer is not None
+            tensor = export.buffer[:nbytes].view(dtype).view(shape)
+            buf = TransportBuffer(self, tensor, route.backend, SharedExport(export))
+        else:
+            buf = TransportBuffer(self, torch.empty(shape, dtype=dtype, device=device), None, None)
+        self.released.pop(buf.key, None)
+        self.born[buf.key] = buf
+        return buf
 
     async def send_routed(
         self,
