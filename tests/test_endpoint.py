@@ -89,8 +89,12 @@ async def test_payload_errors_name_the_path() -> None:
     async with pair() as (a, _):
         with pytest.raises(TypeError, match=r"payload\['x'\]\[1\]: values of type set"):
             await a.send("b", {"x": [1, {2}]}, request_id="r")
-        with pytest.raises(TypeError, match="metadata cannot hold tensors"):
+        with pytest.raises(
+            TypeError, match=r"metadata cannot hold tensors \(found metadata\['t'\]\)"
+        ):
             await a.send("b", 1, request_id="r", metadata={"t": torch.ones(1)})
+        with pytest.raises(TypeError, match=r"metadata\['m'\]\[0\]: values of type set"):
+            await a.end_stream("b", request_id="r", metadata={"m": [{1}]})
 
 
 async def test_inline_chunks_need_no_ack_and_streams_keep_order() -> None:

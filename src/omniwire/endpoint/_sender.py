@@ -157,7 +157,7 @@ class Sender:
     def metadata(self, metadata: Any) -> bytes:
         if metadata is None:
             return b""
-        enc = codec.dumps(metadata, allow_pickle=self.core.config.allow_pickle)
+        enc = codec.dumps(metadata, allow_pickle=self.core.config.allow_pickle, root="metadata")
         if enc.tensors:
             raise TypeError(f"metadata cannot hold tensors (found {enc.paths[0]})")
         return enc.header
