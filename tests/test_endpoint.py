@@ -253,3 +253,17 @@ async def test_closed_endpoint_refuses_work_and_close_is_idempotent() -> None:
         await ep.send("x", 1, request_id="r")
     with pytest.raises(EndpointClosedError):
         await ep.receive()
+
+
+async def test_a_routes_key_that_names_no_configured_peer_is_warned_at_start(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    routes = {"bb": "shm", "b:stream_chunk": "inline", "x->b": "shm", "a->c:payload": "shm"}
+    with caplog.at_level("WARNING", logger="omniwire.endpoint"):
+        async with Endpoint("a", address=addr("a"), peers={"b": addr("b")}, routes=routes):
+            pass
+    warned = [r.getMessage() for r in caplog.records if "routes" in r.getMessage()]
+    assert any("'bb'" in m and "no configured peer" in m for m in warned), warned
+    assert any("'x->b'" in m and "not this endpoint" in m for m in warned), warned
+    assert any("'a->c:payload'" in m for m in warned), warned
+    assert not any("'b:stream_chunk'" in m for m in warned), warned
