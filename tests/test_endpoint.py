@@ -267,3 +267,19 @@ async def test_a_routes_key_that_names_no_configured_peer_is_warned_at_start(
     assert any("'x->b'" in m and "not this endpoint" in m for m in warned), warned
     assert any("'a->c:payload'" in m for m in warned), warned
     assert not any("'b:stream_chunk'" in m for m in warned), warned
+
+
+async def test_an_emptied_omniwire_socket_directory_is_removed_at_close() -> None:
+    base = os.path.join(tempfile.gettempdir(), f"owt-{os.getuid()}")
+    ours = os.path.join(base, f"omniwire-t-{secrets.token_hex(3)}")
+    theirs = os.path.join(base, f"mine-{secrets.token_hex(3)}")
+    async with (
+        Endpoint("a", address=f"ipc://{ours}/a") as a,
+        Endpoint("b", address=f"ipc://{ours}/b"),
+        Endpoint("c", address=f"ipc://{theirs}/c"),
+    ):
+        await a.aclose()
+        assert os.path.isdir(ours)  # b's socket is still in it
+    assert not os.path.exists(ours)  # named omniwire-*: made for omniwire, now empty
+    assert os.path.isdir(theirs)  # the user's own directory stays
+    os.rmdir(theirs)
