@@ -128,9 +128,10 @@ class Lifecycle:
         core.state = State.CLOSING
         with anyio.CancelScope(shield=True):
             try:
-                self._peers.goodbye(reason)
+                # NACKs of what we hold first: the Goodbye is the last frame (§10.5)
                 self._receiver.close()
                 self._sender.close()
+                self._peers.goodbye(reason)
                 await core.outbox.flush(0.5)
             finally:
                 await self.release_everything()

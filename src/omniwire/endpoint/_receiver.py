@@ -394,7 +394,9 @@ class Receiver:
     def close(self) -> None:
         for peer in self.peers.all():
             for record in list(peer.session.inbound.values()):
-                if not record.lent:
+                if record.lent:
+                    record.orphaned = True  # released after our Goodbye: no ACK then
+                else:
                     if record in peer.inbox:
                         peer.inbox.remove(record)
                     self.finish(peer, record, "receiver_closed", "receiver closed")

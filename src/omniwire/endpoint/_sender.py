@@ -28,6 +28,7 @@ from ..errors import (
     DrainTimeoutError,
     EndpointClosedError,
     OmniwireError,
+    PeerClosedError,
     PeerLostError,
     RequestAbortedError,
 )
@@ -379,6 +380,11 @@ class Sender:
             error = RequestAbortedError(
                 f"request {record.request_id!r} was aborted ({peer.name!r} refused object "
                 f"{record.object_id})"
+            )
+        elif msg.reason == "receiver_closed":  # its NACKs come just before its Goodbye
+            error = PeerClosedError(
+                f"{peer.name!r} closed before it took object {record.object_id} of request "
+                f"{record.request_id!r}"
             )
         else:
             error = BackendError(
