@@ -48,6 +48,7 @@ __all__ = [
     "EXT_STRUCT",
     "EXT_TENSOR",
     "EXT_TUPLE",
+    "NDARRAY_DTYPES",
     "Encoded",
     "dumps",
     "loads",
@@ -59,6 +60,12 @@ __all__ = [
 EXT_TUPLE: Final = 1
 EXT_TENSOR: Final = 2
 EXT_NDARRAY: Final = 3
+#: The dtypes ext 3 (numpy array) may carry: those numpy has (wire-v1.md §6.1). A
+#: tensor of another dtype (bfloat16, float8, complex32, ...) travels as ext 2 only.
+NDARRAY_DTYPES: Final = frozenset(
+    {"float16", "float32", "float64", "complex64", "complex128", "bool"}
+    | {f"{s}int{b}" for s in ("", "u") for b in (8, 16, 32, 64)}
+)
 EXT_STRUCT: Final = 4
 EXT_PICKLE: Final = 5
 
@@ -255,10 +262,13 @@ class _Dumper:
             array = array.copy(order="C")  # torch.from_numpy needs both
         try:
             tensor = torch.from_numpy(array)
-        except TypeError as exc:
+        except TypeError:
+            tensor = None
+        if tensor is None or str(tensor.dtype).removeprefix("torch.") not in NDARRAY_DTYPES:
             raise TypeError(
-                f"{_format_path(path, self.root)}: numpy dtype {array.dtype} cannot be sent ({exc})"
-            ) from None
+                f"{_format_path(path, self.root)}: numpy dtype {array.dtype} cannot be sent: "
+                f"ext 3 carries numpy arrays of {', '.join(sorted(NDARRAY_DTYPES))}"
+            )
         return self._tensor_index(key, tensor, path)
 
 
@@ -385,6 +395,12 @@ class _Loader:
             return self.tensors[self.index(data)]
         if code == EXT_NDARRAY:
             tensor = self.tensors[self.index(data)]
+            dtype = str(tensor.dtype).removeprefix("torch.")
+            if dtype not in NDARRAY_DTYPES:
+                raise WireFormatError(
+                    f"ext 3 (numpy array) cannot carry {dtype}: numpy has no such dtype "
+                    "(the writer should have sent the tensor as ext 2)"
+                )
             if tensor.device.type != "cpu":
                 tensor = tensor.cpu()
             return tensor.numpy()
