@@ -268,6 +268,57 @@ async def test_protocol_violations_are_refused(tmp_path: Any) -> None:
             m.close()
 
 
+async def test_a_layout_the_backend_does_not_use_is_nacked_unsupported() -> None:
+    """shm references are packed (§9.2): `per_tensor` and `object` over shm are
+    refused `unsupported` (§7.4), with or without a tensor table, never read."""
+    async with victim_and_friend() as (victim, _):
+        m = Mallory(victim.address)
+        own = Segment.create(f"{m.prefix}-0", 4096)
+        try:
+            await m.send(wire.encode(m.hello()))
+            with anyio.fail_after(10):
+                while "mallory" not in victim.peer_names():
+                    await anyio.sleep(0.02)
+            table = [wire.TensorMeta(dtype="uint8", shape=[64], offset=0, nbytes=64)]
+            cases = {
+                1: ("per_tensor", table),
+                2: ("per_tensor", []),
+                3: ("object", []),
+            }
+            for oid, (layout, tensors) in cases.items():
+                ref = wire.DataRef(
+                    object_id=oid,
+                    kind="payload",
+                    backend="shm",
+                    layout=layout,  # type: ignore[arg-type]
+                    ref=wire.BackendRef(backend="shm", info=_shm_ref(own.name, 0, 64), length=64),
+                    header=msgspec.msgpack.encode(msgspec.msgpack.Ext(2, b"\x00"))
+                    if tensors
+                    else b"",
+                    tensors=tensors,
+                )
+                await m.send(
+                    wire.encode(
+                        wire.DataReadyMessage(
+                            request_id=f"layout-{oid}",
+                            from_stage="mallory",
+                            to_stage="victim",
+                            data_ref=ref,
+                        )
+                    )
+                )
+            nacks = {a.object_id: a for a in await m.acks(timeout=3)}
+            assert {oid: a.reason for oid, a in nacks.items()} == dict.fromkeys(
+                cases, "unsupported"
+            ), nacks
+            for oid, (layout, _) in cases.items():
+                assert f"layout {layout!r}" in (nacks[oid].error or ""), nacks[oid]
+        finally:
+            own.unlink()
+            own.close()
+            m.close()
+
+
 async def test_peer_without_the_key_cannot_deliver_anything() -> None:
     key = secrets.token_hex(16)
     async with (
