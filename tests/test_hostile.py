@@ -8,6 +8,7 @@ import contextlib
 import os
 import pickle
 import secrets
+import socket
 import subprocess
 import tempfile
 from collections.abc import AsyncIterator
@@ -333,7 +334,8 @@ async def test_peer_without_the_key_cannot_deliver_anything() -> None:
     ):
         await friend.wait_peer("victim", 10)
         for outsider in (intruder, anon):
-            with pytest.raises(HandshakeError, match="refused our credentials"):
+            match = "refused our credentials" if outsider is intruder else "has no auth_key"
+            with pytest.raises(HandshakeError, match=match):
                 await outsider.wait_peer("victim", 2)
         # raw frames from a socket without CURVE never reach the endpoint
         m = Mallory(victim.address)
@@ -380,3 +382,45 @@ async def test_full_dev_shm_is_a_clear_error_not_a_sigbus() -> None:
     finally:
         subprocess.run(["umount", small], check=False)
         os.rmdir(small)
+
+
+async def test_a_handshake_cut_short_without_a_key_is_not_an_authentication_failure(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A peer that closes while our ZMTP handshake runs (here: a listener that accepts
+    and hangs up, every time) is a failed handshake, not an auth failure: with no key
+    configured nothing is "refused our credentials" nor counted `auth_failed`."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)
+    listener.setblocking(False)
+    port = listener.getsockname()[1]
+    hangups = 0
+
+    async def hang_up() -> None:
+        nonlocal hangups
+        while True:
+            await anyio.wait_readable(listener)
+            conn, _ = listener.accept()
+            conn.close()
+            hangups += 1
+
+    caplog.set_level("INFO", logger="omniwire")
+    try:
+        async with (
+            anyio.create_task_group() as tg,
+            Endpoint("a", address=addr("a"), peers={"b": f"tcp://127.0.0.1:{port}"}) as a,
+        ):
+            tg.start_soon(hang_up)
+            with anyio.fail_after(20):
+                while hangups < 3:
+                    await anyio.sleep(0.05)
+            with pytest.raises(HandshakeError) as info:
+                await a.wait_peer("b", 0.5)
+            tg.cancel_scope.cancel()
+        assert a.counters.get("auth_failed", 0) == 0, a.counters
+        assert a.counters.get("handshakes_failed", 0) >= 1, a.counters
+        assert "credentials" not in str(info.value)
+        assert not [r for r in caplog.records if "credentials" in r.getMessage()]
+    finally:
+        listener.close()
