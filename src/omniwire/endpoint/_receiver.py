@@ -360,7 +360,9 @@ class Receiver:
 
     # -- aborts, loss, close -------------------------------------------------------------
 
-    def on_abort(self, request_id: str, origin: str, reason: str, *, notify: bool) -> None:
+    def on_abort(
+        self, request_id: str, origin: str, reason: str, *, notify: bool, via: str = ""
+    ) -> None:
         for peer in self.peers.all():
             for item in [i for i in peer.inbox if _rid(i) == request_id]:
                 if isinstance(item, InRecord):
@@ -372,7 +374,7 @@ class Receiver:
             peer.open_streams.pop(request_id, None)
         self.deliveries.drop(request_id)  # a zero-copy one NACKs "aborted" (the id is remembered)
         if notify:
-            self._deliver(Delivery("aborted", request_id, origin, error=reason or None))
+            self._deliver(Delivery("aborted", request_id, origin, error=reason or None, via=via))
 
     def on_peer_gone(
         self, peer: Peer, records: list[InRecord], cause: str, error: PeerLostError
