@@ -236,12 +236,12 @@ class Receiver:
         msg, ref = record.msg, record.ref
         backend = self.core.backends.get(ref.backend)
         info = peer.info.get(ref.backend)
-        why = None
-        if backend is None or info is None:
-            why = f"backend {ref.backend!r} is not running on {self.core.name!r} for {peer.name!r}"
-        elif ref.layout not in type(backend).capabilities.layouts:
-            why = f"backend {ref.backend!r} does not use layout {ref.layout!r} (§9)"
-        if why is not None:
+        if backend is None or info is None or ref.layout not in type(backend).capabilities.layouts:
+            why = (
+                f"backend {ref.backend!r} is not running on {self.core.name!r} for {peer.name!r}"
+                if backend is None or info is None
+                else f"backend {ref.backend!r} does not use layout {ref.layout!r} (§9)"
+            )
             self.finish(peer, record, "unsupported", why)
             self._deliver(_error(peer, msg, why))
             return
