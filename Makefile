@@ -71,7 +71,7 @@ package: setup
 	$(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])' \
 		>"$$($(PKG_ENV)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/_omniwire_base.pth"
 	$(BIN)/python -m pip --python $(PKG_ENV)/bin/python install -q --no-deps --force-reinstall \
-		$(DIST)/omniwire-*.whl 2>&1 | grep -v "^Not uninstalling\|outside environment" || true
+		$(DIST)/omniwire-*.whl
 	$(BIN)/python -m pip --python $(PKG_ENV)/bin/python install -q \
 		"$$(ls $(DIST)/omniwire-*.whl)[$(EXTRAS),metrics,tracing]"
 	$(BIN)/python -m pip --python $(PKG_ENV)/bin/python check
