@@ -14,7 +14,7 @@ EXAMPLE := examples/omniwire-backend-example
 # libefa makes NIXL processes segfault at exit (see shared/BACKENDS.md).
 DEB_LIBS := libibverbs1 libnl-3-200 libnl-route-3-200
 
-.PHONY: setup run test lint typecheck bench demo-remote clean
+.PHONY: setup run test lint typecheck package bench demo-remote clean
 
 setup: $(STAMP)
 
@@ -47,9 +47,41 @@ typecheck: setup
 
 # In `make test` (and so in CI) every engine that can run on a CPU must load:
 # OMNIWIRE_REQUIRE_ENGINES turns "skipped: engine missing" into a failure.
-test: lint typecheck
+test: lint typecheck package
 	OMNIWIRE_REQUIRE_ENGINES=1 HYPOTHESIS_PROFILE=ci OMP_NUM_THREADS=1 \
 		$(BIN)/python -m pytest
+
+# The package as users install it: build the sdist and the wheel, check them, install
+# the wheel (not editable) with its extras into a fresh venv, and run the demo and a
+# short test from there. The fresh venv reuses $(VENV)'s packages (torch, the engines)
+# through a .pth line after its own site-packages, so nothing is downloaded twice;
+# `pip check` and the extras' resolution run against them.
+DIST    := build/dist
+PKG_ENV := build/pkg-venv
+package: setup
+	@echo "== package: build sdist and wheel"
+	rm -rf $(DIST) $(PKG_ENV)
+	$(BIN)/python -m build --outdir $(DIST) . >build/package-build.log 2>&1 || \
+		{ cat build/package-build.log; exit 1; }
+	@ls $(DIST)
+	@echo "== package: twine check"
+	$(BIN)/python -m twine check --strict $(DIST)/*
+	@echo "== package: install the wheel into $(PKG_ENV)"
+	$(BIN)/python -m venv --without-pip $(PKG_ENV)
+	$(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])' \
+		>"$$($(PKG_ENV)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/_omniwire_base.pth"
+	$(BIN)/python -m pip --python $(PKG_ENV)/bin/python install -q --no-deps --force-reinstall \
+		$(DIST)/omniwire-*.whl
+	$(BIN)/python -m pip --python $(PKG_ENV)/bin/python install -q \
+		"$$(ls $(DIST)/omniwire-*.whl)[$(EXTRAS),metrics,tracing]"
+	$(BIN)/python -m pip --python $(PKG_ENV)/bin/python check
+	$(PKG_ENV)/bin/python -c 'import omniwire, sys; f = omniwire.__file__; \
+		print("omniwire", omniwire.__version__, "from", f); sys.exit("$(PKG_ENV)" not in f)'
+	@echo "== package: omniwire demo and a short test, from the wheel"
+	cd build && OMP_NUM_THREADS=1 pkg-venv/bin/omniwire demo >package-demo.log 2>&1 || \
+		{ cat package-demo.log; exit 1; }
+	@tail -1 build/package-demo.log
+	OMP_NUM_THREADS=1 $(PKG_ENV)/bin/python -m pytest -q -p no:cacheprovider tests/test_installed.py
 
 # `make bench BENCH_ARGS="--quick --busy --json bench.json --plot bench.png"`
 BENCH_ARGS ?=

@@ -502,8 +502,74 @@ def _body(msg: wire.Message) -> dict[str, Any]:
     return _without(msg)
 
 
+#: The rejection code (wire-v1.md §11.8) of each negative vector: what a reader in any
+#: language checks, instead of omniwire's error classes and messages.
+REJECTION_CODES: dict[str, str] = {
+    "bad_magic": "frame.bad_magic",
+    "short_prefix": "frame.short",
+    "empty_body": "frame.bad_msgpack",
+    "trailing_bytes": "frame.bad_msgpack",
+    "unknown_major": "frame.unsupported_major",
+    "reserved_ignored_but_major_0": "frame.unsupported_major",
+    "not_a_map": "message.not_a_map",
+    "unknown_type": "message.unknown_type",
+    "nesting_in_frame": "frame.too_deep",
+    "invalid_utf8": "frame.bad_msgpack",
+    "hello_missing_instance": "message.missing_field",
+    "hello_wire_min_above_max": "hello.version_range",
+    "hello_empty_endpoint": "message.bad_value",
+    "batch_with_hello": "batch.bad_member",
+    "batch_empty": "batch.size",
+    "batch_nested": "batch.bad_member",
+    "unknown_dtype": "tensor.unknown_dtype",
+    "nbytes_mismatch": "tensor.nbytes",
+    "shape_dim_over_i64": "tensor.shape",
+    "shape_product_overflow": "tensor.shape",
+    "negative_dim": "tensor.shape",
+    "oversized_inline": "inline.too_large",
+    "unaligned_offset": "tensor.unaligned",
+    "tensor_beyond_buffer": "tensor.out_of_bounds",
+    "data_ref_and_inline": "data_ready.both",
+    "ack_success_with_reason": "ack.reason_on_success",
+    "object_id_negative": "message.bad_value",
+    "data_ref_version_2": "data_ref.version",
+    "header_nesting_65": "header.too_deep",
+    "header_nesting_65_tuples": "header.too_deep",
+    "header_pickle": "header.pickle_refused",
+    "header_unknown_ext": "header.unknown_ext",
+    "header_tensor_index_out_of_range": "header.tensor_index",
+    "header_unregistered_type": "header.unregistered_type",
+    "header_tuple_not_array": "header.bad_ext",
+    "header_trailing_bytes": "header.bad_msgpack",
+    "header_ndarray_bfloat16": "header.ndarray_dtype",
+    "shm_ref_foreign_segment": "ref.not_the_peers",
+    "shm_ref_bad_name": "ref.not_the_peers",
+    "shm_ref_prefix_only": "ref.not_the_peers",
+    "shm_ref_size_mismatch": "ref.length",
+    "shm_ref_array_form": "ref.bad_form",
+    "mooncake_pieces_overlap": "pieces.layout",
+    "mooncake_pieces_unsorted": "pieces.layout",
+    "mooncake_piece_past_the_end": "pieces.layout",
+    "mooncake_piece_empty": "pieces.layout",
+    "mooncake_piece_in_the_pool": "ref.not_the_peers",
+    "mooncake_pieces_with_offset": "ref.bad_form",
+    "nixl_pieces_with_region": "ref.bad_form",
+    "nixl_pieces_none": "ref.bad_form",
+    "nixl_piece_outside_its_region": "ref.not_the_peers",
+    "nixl_piece_region_index": "ref.bad_form",
+    "nixl_lent_region_in_the_pool": "ref.not_the_peers",
+    "nixl_more_regions_than_pieces": "ref.bad_form",
+    "nixl_pieces_in_the_pool_form": "ref.bad_form",
+    "nixl_pool_minus_3": "ref.bad_form",
+    "nccl_pieces_ordered": "ref.bad_form",
+    "nccl_pieces_tags_past_the_limit": "ref.bad_value",
+    "nccl_pieces_overlap": "pieces.layout",
+}
+
+
 def negatives() -> list[dict[str, Any]]:
-    """Each: name, bytes, layer, error class, message fragment (a regex), why."""
+    """Each: name, bytes, layer, why; and what omniwire raises: error class, message
+    fragment (a regex). The manifest gives REJECTION_CODES[name] instead of the last two."""
     msgs = messages()
     abort = wire.encode(msgs["abort"])
     hello = _body(msgs["hello"])
@@ -857,6 +923,16 @@ def negatives() -> list[dict[str, Any]]:
             match="malformed payload header",
             why="a header followed by another byte",
         ),
+        dict(
+            name="header_ndarray_bfloat16",
+            data=msgspec.msgpack.encode(msgspec.msgpack.Ext(codec.EXT_NDARRAY, b"\x00")),
+            layer=c,
+            error=wfe,
+            tensors=1,
+            dtype="bfloat16",
+            match="ext 3 .numpy array. cannot carry bfloat16",
+            why="a numpy array (ext 3) of a dtype numpy lacks; it travels as ext 2",
+        ),
         # -- the shm backend's reference check (against the Hello vector's shm info)
         dict(
             name="shm_ref_foreign_segment",
@@ -1156,8 +1232,11 @@ def build() -> dict[str, bytes]:
     for entry in negatives():
         entry = dict(entry)
         data = entry.pop("data")
-        files[f"negative/{entry['name']}.bin"] = data
-        manifest.append({"file": f"{entry.pop('name')}.bin", **entry})
+        name = entry.pop("name")
+        files[f"negative/{name}.bin"] = data
+        # what omniwire raises (error, match) stays here, for tests/test_vectors.py
+        del entry["error"], entry["match"]
+        manifest.append({"file": f"{name}.bin", "code": REJECTION_CODES[name], **entry})
     files["negative/manifest.json"] = _json(
         {
             "about": "Frames and blobs a reader MUST reject (specs/wire-v1.md §12.3). "
@@ -1165,8 +1244,10 @@ def build() -> dict[str, bytes]:
             "table of `tensors` tensors), shm.import (an shm BackendRef.info from the peer of "
             "vectors/hello.bin, for an object of `length` bytes), mooncake.ref / nixl.ref / "
             "nccl.ref (a BackendRef.info from the peer whose Hello info is "
-            "blobs/<backend>_hello_pieces.bin, for an object of `length` bytes). error: the "
-            "class omniwire raises; match: a regular expression its message matches.",
+            "blobs/<backend>_hello_pieces.bin, for an object of `length` bytes). code: the "
+            "rejection code of specs/wire-v1.md §11.8, the reason a reader in any language "
+            "rejects the input for. dtype: the dtype of the table's tensors (default "
+            "float32).",
             "vectors": manifest,
         }
     )

@@ -69,8 +69,12 @@ def main() -> None:
             os.close(fd)
             mm.close()
 
-        print(f"receiver, first contact, checked open + map: {_median(first_contact_new, r) * 1e6:8.1f} µs")
-        print(f"receiver, first contact, old open + POPULATE: {_median(first_contact_old, r) * 1e6:8.1f} µs")
+        print(
+            f"receiver, first contact, checked open + map: {_median(first_contact_new, r) * 1e6:8.1f} µs"
+        )
+        print(
+            f"receiver, first contact, old open + POPULATE: {_median(first_contact_old, r) * 1e6:8.1f} µs"
+        )
 
         opened = open_shared("/dev/shm", sealed.name, os.getpid(), True)
         mapped = Segment.map(opened)
@@ -80,8 +84,8 @@ def main() -> None:
             dest = np.empty(size, dtype=np.uint8)
             view = mapped.base[:size].numpy()
             np.copyto(dest, view)  # warm both
-            copy_t = _median(lambda: np.copyto(dest, view), r * 5)
-            pread_t = _median(lambda: pread_into(plain_fd, dest.data, 0, "bench"), r * 5)
+            copy_t = _median(lambda d=dest, v=view: np.copyto(d, v), r * 5)
+            pread_t = _median(lambda d=dest: pread_into(plain_fd, d.data, 0, "bench"), r * 5)
             print(
                 f"take {label}: copy from the mapping {copy_t * 1e6:9.1f} µs "
                 f"({size / copy_t / 1e9:5.2f} GB/s), pread {pread_t * 1e6:9.1f} µs "

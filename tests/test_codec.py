@@ -59,6 +59,35 @@ def test_numpy_arrays_come_back_as_numpy() -> None:
     np.testing.assert_array_equal(out["a"], a)
 
 
+#: What ext 3 (numpy array) may carry (wire-v1.md §6.1): the dtypes numpy has.
+NUMPY_DTYPES = [
+    "float16", "float32", "float64", "complex64", "complex128", "bool",
+    "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
+]  # fmt: skip
+
+
+def test_ext3_carries_exactly_the_dtypes_numpy_has() -> None:
+    assert sorted(codec.NDARRAY_DTYPES) == sorted(NUMPY_DTYPES)
+    for name in NUMPY_DTYPES:
+        array = np.zeros(2, dtype=name)
+        enc = codec.dumps({"a": array})
+        back = codec.loads(enc.header, enc.tensors)["a"]
+        assert type(back) is np.ndarray and back.dtype == array.dtype
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "complex32", "float8_e4m3fn", "float4_e2m1fn_x2"])
+def test_ext3_with_a_dtype_numpy_lacks_is_a_wire_format_error(dtype: str) -> None:
+    header = msgspec.msgpack.encode(msgspec.msgpack.Ext(codec.EXT_NDARRAY, b"\x00"))
+    table = [torch.zeros(2, dtype=getattr(torch, dtype))]
+    with pytest.raises(WireFormatError, match=f"ext 3 .numpy array. cannot carry {dtype}"):
+        codec.loads(header, table)
+
+
+def test_a_numpy_array_of_a_dtype_the_wire_lacks_is_refused_at_the_sender() -> None:
+    with pytest.raises(TypeError, match=r"payload\['a'\]: numpy dtype \|V2 cannot be sent: ext 3"):
+        codec.dumps({"a": np.zeros(2, dtype=np.dtype("V2"))})
+
+
 @pytest.mark.parametrize(
     ("value", "path"),
     [

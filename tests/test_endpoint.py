@@ -89,8 +89,12 @@ async def test_payload_errors_name_the_path() -> None:
     async with pair() as (a, _):
         with pytest.raises(TypeError, match=r"payload\['x'\]\[1\]: values of type set"):
             await a.send("b", {"x": [1, {2}]}, request_id="r")
-        with pytest.raises(TypeError, match="metadata cannot hold tensors"):
+        with pytest.raises(
+            TypeError, match=r"metadata cannot hold tensors \(found metadata\['t'\]\)"
+        ):
             await a.send("b", 1, request_id="r", metadata={"t": torch.ones(1)})
+        with pytest.raises(TypeError, match=r"metadata\['m'\]\[0\]: values of type set"):
+            await a.end_stream("b", request_id="r", metadata={"m": [{1}]})
 
 
 async def test_inline_chunks_need_no_ack_and_streams_keep_order() -> None:
@@ -249,3 +253,40 @@ async def test_closed_endpoint_refuses_work_and_close_is_idempotent() -> None:
         await ep.send("x", 1, request_id="r")
     with pytest.raises(EndpointClosedError):
         await ep.receive()
+
+
+async def test_a_routes_key_that_names_no_configured_peer_is_warned_at_start(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    routes = {"bb": "shm", "b:stream_chunk": "inline", "x->b": "shm", "a->c:payload": "shm"}
+    with caplog.at_level("WARNING", logger="omniwire.endpoint"):
+        async with Endpoint("a", address=addr("a"), peers={"b": addr("b")}, routes=routes):
+            pass
+    warned = [r.getMessage() for r in caplog.records if "routes" in r.getMessage()]
+    assert any("'bb'" in m and "no configured peer" in m for m in warned), warned
+    assert any("'x->b'" in m and "not this endpoint" in m for m in warned), warned
+    assert any("'a->c:payload'" in m for m in warned), warned
+    assert not any("'b:stream_chunk'" in m for m in warned), warned
+
+
+async def test_an_emptied_omniwire_socket_directory_is_removed_at_close() -> None:
+    base = os.path.join(tempfile.gettempdir(), f"owt-{os.getuid()}")
+    ours = os.path.join(base, f"omniwire-t-{secrets.token_hex(3)}")
+    theirs = os.path.join(base, f"mine-{secrets.token_hex(3)}")
+    async with (
+        Endpoint("a", address=f"ipc://{ours}/a") as a,
+        Endpoint("b", address=f"ipc://{ours}/b"),
+        Endpoint("c", address=f"ipc://{theirs}/c"),
+    ):
+        await a.aclose()
+        assert _entries(ours) == ["b", "b.abort"]  # b's sockets are still in it
+    assert _entries(ours) is None  # named omniwire-*: made for omniwire, now empty
+    assert _entries(theirs) == []  # the user's own directory stays
+    os.rmdir(theirs)
+
+
+def _entries(directory: str) -> list[str] | None:
+    try:
+        return sorted(os.listdir(directory))
+    except FileNotFoundError:
+        return None

@@ -401,6 +401,36 @@ def test_goodbye_on_close(foreign: ForeignPeer) -> None:
     assert (goodbye["from_stage"], goodbye["instance"]) == ("ref-closing", hello["instance"])
 
 
+def test_goodbye_is_the_last_message_after_the_nacks_of_held_objects(
+    foreign: ForeignPeer,
+) -> None:
+    """A reference SIGTERMed while it holds our open object NACKs it
+    (`receiver_closed`) and then says Goodbye, its last message (§7.4, §10.5)."""
+    peer = PeerProcess("ref-holding", _address("ref-holding"), "--backends", "shm")
+    try:
+        foreign.handshake("ref-holding", peer.address)
+        foreign.own_hello(WAIT)
+        ref = foreign.shm_object(11, [np.zeros(1024, dtype=np.uint8)], TensorIndex(0), ready=0)
+        foreign.send(foreign.data_ready("req-held", data_ref=ref))
+        # frames are read in order: once it answers a later Hello it has opened the object
+        replies = len(_frames_of(foreign, "hello"))
+        foreign.send(foreign.hello(to_endpoint="ref-holding"))
+        foreign.expect(
+            lambda b: b["type"] == "hello" and len(_frames_of(foreign, "hello")) > replies,
+            WAIT,
+            "the answer to a second Hello",
+        )
+    finally:
+        assert peer.stop() == 0, peer.output
+    foreign.expect(lambda b: b["type"] == "goodbye", WAIT, "a Goodbye")
+    while foreign.recv(1.0) is not None:  # anything after the Goodbye, to be seen below
+        pass
+    received = [b for d, b in foreign.log if d.startswith("received") and b["type"] != "batch"]
+    kinds = [(b["type"], b.get("object_id"), b.get("reason")) for b in received]
+    assert kinds[-1][0] == "goodbye", kinds
+    assert ("data_ack", 11, "receiver_closed") in kinds, kinds
+
+
 def test_data_after_our_goodbye_starts_nothing(
     reference: PeerProcess, foreign: ForeignPeer
 ) -> None:

@@ -8,6 +8,7 @@ import contextlib
 import os
 import pickle
 import secrets
+import socket
 import subprocess
 import tempfile
 from collections.abc import AsyncIterator
@@ -268,6 +269,57 @@ async def test_protocol_violations_are_refused(tmp_path: Any) -> None:
             m.close()
 
 
+async def test_a_layout_the_backend_does_not_use_is_nacked_unsupported() -> None:
+    """shm references are packed (§9.2): `per_tensor` and `object` over shm are
+    refused `unsupported` (§7.4), with or without a tensor table, never read."""
+    async with victim_and_friend() as (victim, _):
+        m = Mallory(victim.address)
+        own = Segment.create(f"{m.prefix}-0", 4096)
+        try:
+            await m.send(wire.encode(m.hello()))
+            with anyio.fail_after(10):
+                while "mallory" not in victim.peer_names():
+                    await anyio.sleep(0.02)
+            table = [wire.TensorMeta(dtype="uint8", shape=[64], offset=0, nbytes=64)]
+            cases = {
+                1: ("per_tensor", table),
+                2: ("per_tensor", []),
+                3: ("object", []),
+            }
+            for oid, (layout, tensors) in cases.items():
+                ref = wire.DataRef(
+                    object_id=oid,
+                    kind="payload",
+                    backend="shm",
+                    layout=layout,  # type: ignore[arg-type]
+                    ref=wire.BackendRef(backend="shm", info=_shm_ref(own.name, 0, 64), length=64),
+                    header=msgspec.msgpack.encode(msgspec.msgpack.Ext(2, b"\x00"))
+                    if tensors
+                    else b"",
+                    tensors=tensors,
+                )
+                await m.send(
+                    wire.encode(
+                        wire.DataReadyMessage(
+                            request_id=f"layout-{oid}",
+                            from_stage="mallory",
+                            to_stage="victim",
+                            data_ref=ref,
+                        )
+                    )
+                )
+            nacks = {a.object_id: a for a in await m.acks(timeout=3)}
+            assert {oid: a.reason for oid, a in nacks.items()} == dict.fromkeys(
+                cases, "unsupported"
+            ), nacks
+            for oid, (layout, _) in cases.items():
+                assert f"layout {layout!r}" in (nacks[oid].error or ""), nacks[oid]
+        finally:
+            own.unlink()
+            own.close()
+            m.close()
+
+
 async def test_peer_without_the_key_cannot_deliver_anything() -> None:
     key = secrets.token_hex(16)
     async with (
@@ -282,7 +334,8 @@ async def test_peer_without_the_key_cannot_deliver_anything() -> None:
     ):
         await friend.wait_peer("victim", 10)
         for outsider in (intruder, anon):
-            with pytest.raises(HandshakeError, match="refused our credentials"):
+            match = "refused our credentials" if outsider is intruder else "has no auth_key"
+            with pytest.raises(HandshakeError, match=match):
                 await outsider.wait_peer("victim", 2)
         # raw frames from a socket without CURVE never reach the endpoint
         m = Mallory(victim.address)
@@ -329,3 +382,45 @@ async def test_full_dev_shm_is_a_clear_error_not_a_sigbus() -> None:
     finally:
         subprocess.run(["umount", small], check=False)
         os.rmdir(small)
+
+
+async def test_a_handshake_cut_short_without_a_key_is_not_an_authentication_failure(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A peer that closes while our ZMTP handshake runs (here: a listener that accepts
+    and hangs up, every time) is a failed handshake, not an auth failure: with no key
+    configured nothing is "refused our credentials" nor counted `auth_failed`."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)
+    listener.setblocking(False)
+    port = listener.getsockname()[1]
+    hangups = 0
+
+    async def hang_up() -> None:
+        nonlocal hangups
+        while True:
+            await anyio.wait_readable(listener)
+            conn, _ = listener.accept()
+            conn.close()
+            hangups += 1
+
+    caplog.set_level("INFO", logger="omniwire")
+    try:
+        async with (
+            anyio.create_task_group() as tg,
+            Endpoint("a", address=addr("a"), peers={"b": f"tcp://127.0.0.1:{port}"}) as a,
+        ):
+            tg.start_soon(hang_up)
+            with anyio.fail_after(20):
+                while hangups < 3:
+                    await anyio.sleep(0.05)
+            with pytest.raises(HandshakeError) as info:
+                await a.wait_peer("b", 0.5)
+            tg.cancel_scope.cancel()
+        assert a.counters.get("auth_failed", 0) == 0, a.counters
+        assert a.counters.get("handshakes_failed", 0) >= 1, a.counters
+        assert "credentials" not in str(info.value)
+        assert not [r for r in caplog.records if "credentials" in r.getMessage()]
+    finally:
+        listener.close()

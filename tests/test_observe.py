@@ -25,7 +25,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from prometheus_client.parser import text_string_to_metric_families
 
 from omniwire.endpoint import Endpoint
-from omniwire.errors import HandshakeError
+from omniwire.errors import HandshakeError, RequestAbortedError
 from omniwire.observe import Observer, PrometheusObserver, TracingObserver, serve_metrics
 
 pytestmark = pytest.mark.asyncio
@@ -128,7 +128,7 @@ async def test_metrics_scraped_over_http_match_what_was_sent(
         credit = {"endpoint": "a", "peer": "b"}
         assert value(samples, "omniwire_credit_wait_seconds_count", **credit) == 1
         assert value(samples, "omniwire_credit_wait_seconds_sum", **credit) > 0
-        failed = {"endpoint": "a", "side": "send", "cause": "HandshakeError"}
+        failed = {"endpoint": "a", "side": "send", "cause": "handshake"}
         assert value(samples, "omniwire_errors_total", **failed) == 1
         assert value(samples, "omniwire_peers", endpoint="a") == 1
         assert (
@@ -245,3 +245,35 @@ async def test_an_observer_sees_every_event_and_none_is_the_default() -> None:
             await d.reply(2)
             await a.receive()
         assert counting.calls == {"delivered": 1, "taken": 1, "send_started": 1}
+
+
+async def test_abort_metrics_name_the_connection_and_one_vocabulary_of_causes(
+    metrics: tuple[PrometheusObserver, int],
+) -> None:
+    """c aborts a request that came a → b → c: at a, the abort arrives from b (its
+    origin, c, is two hops away). a's metrics name b; its refused send and b's
+    aborted delivery count the same cause, "aborted"."""
+    observer, port = metrics
+    async with (
+        Endpoint("c", address=addr("c")) as c,
+        Endpoint("b", address=addr("b"), peers={"c": c.address}) as b,
+        Endpoint("a", address=addr("a"), peers={"b": b.address}, observer=observer) as a,
+    ):
+        await a.wait_peer("b", 10)
+        await b.wait_peer("c", 10)
+        with anyio.fail_after(20):
+            await a.send("b", 1, request_id="r")
+            await b.send("c", (await b.receive()).payload, request_id="r")
+            await c.receive()
+            await c.abort("r", "c gave up")
+            got = await a.receive()
+        assert (got.kind, got.from_stage) == ("aborted", "c")
+        with pytest.raises(RequestAbortedError):
+            await a.send("b", 2, request_id="r")
+        samples = await anyio.to_thread.run_sync(scrape, port)
+    aborted = {"endpoint": "a", "kind": "aborted"}
+    assert value(samples, "omniwire_delivery_wait_seconds_count", **aborted, peer="b") == 1
+    assert value(samples, "omniwire_delivery_wait_seconds_count", **aborted, peer="c") == 0
+    for side in ("send", "receive"):
+        labels = {"endpoint": "a", "side": side, "cause": "aborted"}
+        assert value(samples, "omniwire_errors_total", **labels) == 1, (side, samples)

@@ -50,6 +50,8 @@ class Capabilities:
             (e.g. it needs a process group); the reason says what to configure.
         needs_gpu_peer_access: both ends must be GPUs that can access each other.
         preference: among backends that fit an edge, the highest wins.
+        layouts: the ``DataRef.layout`` values its references use (spec §4.5); a
+            receiver NACKs any other ``unsupported`` before importing it.
     """
 
     devices: frozenset[str] = frozenset({"cpu"})
@@ -66,6 +68,7 @@ class Capabilities:
     opt_in: str | None = None
     needs_gpu_peer_access: bool = False
     preference: int = 0
+    layouts: frozenset[str] = frozenset({"packed"})
 
     def describe(self) -> str:
         parts = [

@@ -48,6 +48,7 @@ __all__ = [
     "EXT_STRUCT",
     "EXT_TENSOR",
     "EXT_TUPLE",
+    "NDARRAY_DTYPES",
     "Encoded",
     "dumps",
     "loads",
@@ -59,6 +60,12 @@ __all__ = [
 EXT_TUPLE: Final = 1
 EXT_TENSOR: Final = 2
 EXT_NDARRAY: Final = 3
+#: The dtypes ext 3 (numpy array) may carry: those numpy has (wire-v1.md §6.1). A
+#: tensor of another dtype (bfloat16, float8, complex32, ...) travels as ext 2 only.
+NDARRAY_DTYPES: Final = frozenset(
+    {"float16", "float32", "float64", "complex64", "complex128", "bool"}
+    | {f"{s}int{b}" for s in ("", "u") for b in (8, 16, 32, 64)}
+)
 EXT_STRUCT: Final = 4
 EXT_PICKLE: Final = 5
 
@@ -135,19 +142,20 @@ class _Attr(str):
     """A path step that is an attribute of a registered type, not a key or index."""
 
 
-def _format_path(path: _Path) -> str:
+def _format_path(path: _Path, root: str = "payload") -> str:
     steps: list[str] = []
     while path:
         path, step = path
         steps.append(f".{step}" if isinstance(step, _Attr) else f"[{step!r}]")
-    return "payload" + "".join(reversed(steps))
+    return root + "".join(reversed(steps))
 
 
 class _Dumper:
     """One walk over one payload. Tensors are memoised by ``id`` so a shared one is sent once."""
 
-    def __init__(self, allow_pickle: bool) -> None:
+    def __init__(self, allow_pickle: bool, root: str = "payload") -> None:
         self.allow_pickle = allow_pickle
+        self.root = root
         self.tensors: list[torch.Tensor] = []
         self.paths: list[str] = []
         self.memo: dict[int, int] = {}
@@ -157,12 +165,12 @@ class _Dumper:
         if index is None:
             if len(self.tensors) >= MAX_TENSORS:
                 raise ValueError(
-                    f"{_format_path(path)}: payload has more than {MAX_TENSORS} tensors"
+                    f"{_format_path(path, self.root)}: payload has more than {MAX_TENSORS} tensors"
                 )
             index = len(self.tensors)
             self.memo[key] = index
             self.tensors.append(tensor)
-            self.paths.append(_format_path(path))
+            self.paths.append(_format_path(path, self.root))
         return index
 
     def _key(self, key: Any, path: _Path, depth: int) -> Any:
@@ -170,7 +178,9 @@ class _Dumper:
         kind = type(key)
         if kind in _KEY_SCALARS:
             if kind is int and not _I64_MIN <= key <= _U64_MAX:
-                raise TypeError(f"{_format_path(path)}: dict key {key} does not fit in 64 bits")
+                raise TypeError(
+                    f"{_format_path(path, self.root)}: dict key {key} does not fit in 64 bits"
+                )
             return key
         if kind is tuple:  # a msgpack array in key position always decodes as a tuple
             if depth + 1 > MAX_HEADER_DEPTH:  # a key nests like a value (spec §6.2)
@@ -180,7 +190,7 @@ class _Dumper:
                 )
             return tuple(self._key(k, path, depth + 1) for k in key)
         raise TypeError(
-            f"{_format_path(path)}: dict key of type {kind.__name__} is not supported "
+            f"{_format_path(path, self.root)}: dict key of type {kind.__name__} is not supported "
             "(use None, bool, int, float, str, bytes or a tuple of those)"
         )
 
@@ -191,7 +201,9 @@ class _Dumper:
             return value
         if kind is int:
             if not _I64_MIN <= value <= _U64_MAX:
-                raise TypeError(f"{_format_path(path)}: int {value} does not fit in 64 bits")
+                raise TypeError(
+                    f"{_format_path(path, self.root)}: int {value} does not fit in 64 bits"
+                )
             return value
         if isinstance(value, torch.Tensor):
             return msgspec.msgpack.Ext(EXT_TENSOR, _encoder.encode(self._tensor(value, path)))
@@ -200,7 +212,7 @@ class _Dumper:
         inner = depth + 1
         if inner > MAX_HEADER_DEPTH and kind in (list, dict, tuple):
             raise ValueError(
-                f"{_format_path(path)}: payload nests deeper than {MAX_HEADER_DEPTH} levels"
+                f"{_format_path(path, self.root)}: value nests deeper than {MAX_HEADER_DEPTH} levels"
             )
         if kind is list:
             return [
@@ -221,7 +233,7 @@ class _Dumper:
         if name is not None:
             if inner > MAX_HEADER_DEPTH:
                 raise ValueError(
-                    f"{_format_path(path)}: payload nests deeper than {MAX_HEADER_DEPTH} levels"
+                    f"{_format_path(path, self.root)}: value nests deeper than {MAX_HEADER_DEPTH} levels"
                 )
             fields = {f: self.walk(v, (path, _Attr(f)), inner) for f, v in _fields(value).items()}
             return msgspec.msgpack.Ext(EXT_STRUCT, _encoder.encode([name, fields]))
@@ -235,16 +247,18 @@ class _Dumper:
         elif isinstance(value, set | frozenset):
             hint = " (send a list or a tuple: sets have no wire encoding)"
         raise TypeError(
-            f"{_format_path(path)}: values of type {kind.__qualname__} cannot be sent{hint}"
+            f"{_format_path(path, self.root)}: values of type {kind.__qualname__} cannot be sent{hint}"
         )
 
     def _tensor(self, tensor: torch.Tensor, path: _Path) -> int:
         if tensor.layout is not torch.strided:
             raise TypeError(
-                f"{_format_path(path)}: {tensor.layout} tensors are not supported; send dense ones"
+                f"{_format_path(path, self.root)}: {tensor.layout} tensors are not supported; send dense ones"
             )
         if tensor.is_quantized or tensor.is_meta:
-            raise TypeError(f"{_format_path(path)}: quantized and meta tensors are not supported")
+            raise TypeError(
+                f"{_format_path(path, self.root)}: quantized and meta tensors are not supported"
+            )
         return self._tensor_index(id(tensor), tensor, path)
 
     def _ndarray(self, array: np.ndarray, path: _Path) -> int:
@@ -256,20 +270,25 @@ class _Dumper:
             array = array.copy(order="C")  # torch.from_numpy needs both
         try:
             tensor = torch.from_numpy(array)
-        except TypeError as exc:
+        except TypeError:
+            tensor = None
+        if tensor is None or str(tensor.dtype).removeprefix("torch.") not in NDARRAY_DTYPES:
             raise TypeError(
-                f"{_format_path(path)}: numpy dtype {array.dtype} cannot be sent ({exc})"
-            ) from None
+                f"{_format_path(path, self.root)}: numpy dtype {array.dtype} cannot be sent: "
+                f"ext 3 carries numpy arrays of {', '.join(sorted(NDARRAY_DTYPES))}"
+            )
         return self._tensor_index(key, tensor, path)
 
 
-def dumps(value: Any, *, allow_pickle: bool = False) -> Encoded:
+def dumps(value: Any, *, allow_pickle: bool = False, root: str = "payload") -> Encoded:
     """Encode ``value`` into a header and the list of tensors it contains.
 
     Args:
         value: the payload (see the module docstring for what it may contain).
         allow_pickle: encode otherwise unsupported objects with pickle. Only for
             trusted deployments; the receiver must opt in too.
+        root: what error messages and ``Encoded.paths`` call the value
+            (``"metadata"`` for a DataReady's metadata).
 
     Raises:
         TypeError: a value, dict key or int out of range, naming its path.
@@ -278,10 +297,13 @@ def dumps(value: Any, *, allow_pickle: bool = False) -> Encoded:
     if type(value) is dict and 0 < len(value) <= _FLAT_MAX:
         flat = _dumps_flat(value)
         if flat is not None:
-            return flat
+            if root == "payload" or not flat.tensors:
+                return flat
+            paths = [root + p.removeprefix("payload") for p in flat.paths]
+            return Encoded(flat.header, flat.tensors, paths)
     elif type(value) is torch.Tensor and _plain(value):
-        return Encoded(_TENSOR_HEADER, [value], ["payload"])
-    dumper = _Dumper(allow_pickle)
+        return Encoded(_TENSOR_HEADER, [value], [root])
+    dumper = _Dumper(allow_pickle, root)
     tree = dumper.walk(value, (), 0)
     return Encoded(_encoder.encode(tree), dumper.tensors, dumper.paths)
 
@@ -381,6 +403,12 @@ class _Loader:
             return self.tensors[self.index(data)]
         if code == EXT_NDARRAY:
             tensor = self.tensors[self.index(data)]
+            dtype = str(tensor.dtype).removeprefix("torch.")
+            if dtype not in NDARRAY_DTYPES:
+                raise WireFormatError(
+                    f"ext 3 (numpy array) cannot carry {dtype}: numpy has no such dtype "
+                    "(the writer should have sent the tensor as ext 2)"
+                )
             if tensor.device.type != "cpu":
                 tensor = tensor.cpu()
             return tensor.numpy()

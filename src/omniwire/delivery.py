@@ -73,6 +73,9 @@ class Delivery:
     #: away), ``"unclaimed"`` (dropped while no consumer came for it), ``"stream_idle"``
     #: (its stream had no chunk for ``stream_idle_timeout``), else None.
     cause: str | None = None
+    #: The peer it arrived from: ``from_stage``, except for an ``aborted`` delivery
+    #: forwarded by another stage (``from_stage`` is then where the abort began).
+    via: str = ""
     #: ``time.monotonic()`` when it was queued for the application.
     received_at: float = field(default_factory=time.monotonic)
     #: The W3C trace context of the sender's span (``""`` if it traces nothing).

@@ -4,7 +4,8 @@ It runs one :class:`~omniwire.Endpoint` and answers every delivery:
 
 - ``echo`` (default): payloads and stream chunks go back to their sender under
   the same request id and kind; a stream end is answered with a stream end; an
-  error or abort is answered with an ``error`` stream end naming it;
+  error (also an object it could not take) with an ``error`` stream end naming it;
+  an abort with nothing;
 - ``sink``: takes everything, answers nothing (``--delay`` seconds per delivery
   makes it a slow consumer);
 - ``bench``: answers (as ``echo``) only deliveries whose metadata has ``"echo": True``;

@@ -15,7 +15,7 @@ through the ``omniwire.policies`` entry-point group.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Literal, Protocol, runtime_checkable
 
@@ -369,6 +369,25 @@ class StaticTablePolicy:
         self.table = dict(table)
         self.fallback = fallback if fallback is not None else DefaultPolicy()
         self.name = f"static+{self.fallback.name}"
+
+    def unmatched(self, name: str, peers: Collection[str]) -> list[str]:
+        """Why each key of the table can match no edge of endpoint ``name`` whose
+        peers are ``peers`` (a typo, most likely); empty if every key can match."""
+        problems = []
+        for key in self.table:
+            src, sep, dst = key.partition("->")
+            if not sep:
+                src, dst = name, key
+            for kind in ("payload", "stream_chunk"):
+                dst = dst.removesuffix(f":{kind}")
+            if src != name:
+                problems.append(f"routes key {key!r}: {src!r} is not this endpoint ({name!r})")
+            elif dst not in peers:
+                problems.append(
+                    f"routes key {key!r} names no configured peer ({dst!r} is not in peers=: "
+                    f"{', '.join(sorted(peers))}); it applies only if a peer of that name connects"
+                )
+        return problems
 
     def lookup(self, edge: Edge, kind: str) -> tuple[str, str] | None:
         for key in (

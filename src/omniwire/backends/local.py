@@ -67,6 +67,7 @@ class LocalBackend(ObjectBackend):
         localities=frozenset({Locality.SAME_PROCESS}),
         zero_copy=True,
         preference=100,
+        layouts=frozenset({"object"}),
     )
 
     def __init__(self, ctx: Any) -> None:

@@ -23,7 +23,10 @@ from ._sockets import Sockets, closed_error, fail_all
 class PeerEvent(enum.Enum):
     UP = "up"  # handshake with the peer's PULL socket completed
     DOWN = "down"  # the connection closed (zmq will retry)
-    AUTH_FAILED = "auth_failed"  # the peer refused our credentials
+    # ZMTP handshake failures, told apart (only the first two are about keys):
+    AUTH_FAILED = "auth_failed"  # its ZAP handler refused our CURVE key
+    MECHANISM_MISMATCH = "mechanism_mismatch"  # one side runs CURVE, the other not
+    HANDSHAKE_FAILED = "handshake_failed"  # cut short: it closed, or (CURVE) a wrong key
 
 
 class _MonitorClosed(Exception):
@@ -116,17 +119,23 @@ class Links:
             finally:
                 if self._monitor_reads.get(peer) is read:
                     del self._monitor_reads[peer]
-            event = parse_monitor_message(raw)["event"]
+            parsed = parse_monitor_message(raw)
+            event = parsed["event"]
             if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 yield PeerEvent.UP
             elif event == zmq.EVENT_DISCONNECTED:
                 yield PeerEvent.DOWN
+            elif event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+                yield PeerEvent.AUTH_FAILED
+            elif event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL and (
+                parsed["value"] == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH
+            ):
+                yield PeerEvent.MECHANISM_MISMATCH
             elif event in (
-                zmq.EVENT_HANDSHAKE_FAILED_AUTH,
                 zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL,
                 zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL,
             ):
-                yield PeerEvent.AUTH_FAILED
+                yield PeerEvent.HANDSHAKE_FAILED
             elif event == zmq.EVENT_MONITOR_STOPPED:
                 return
 

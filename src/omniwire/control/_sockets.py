@@ -124,7 +124,14 @@ class Sockets:
 
     def bind(self, sock: zmq.Socket[Any], addr: Address) -> None:
         try:
-            sock.bind(str(addr))
+            try:
+                sock.bind(str(addr))
+            except zmq.ZMQError as exc:
+                if exc.errno != errno.ENOENT or addr.file is None:
+                    raise
+                # another endpoint's close removed the emptied directory (release())
+                os.makedirs(os.path.dirname(addr.path) or ".", exist_ok=True)
+                sock.bind(str(addr))
         except zmq.ZMQError as exc:
             if exc.errno == errno.EADDRINUSE:
                 raise AddressInUseError(f"address {str(addr)!r} is in use: {exc}") from exc
@@ -141,7 +148,7 @@ class Sockets:
 
     def release(self, *, term: bool) -> zmq.asyncio.Context | None:
         """Close the sockets left open, stop the authenticator, remove our socket
-        files; then terminate the context (``term``) or return it for the caller to
+        files (and their directory, once empty, if it is named ``omniwire-*``); then terminate the context (``term``) or return it for the caller to
         terminate."""
         for leftover in list(self._open):
             self.close(leftover)
@@ -153,6 +160,12 @@ class Sockets:
             if ident is None or file_id(path) == ident:  # still ours, not a newcomer's
                 with contextlib.suppress(OSError):
                     os.unlink(path)
+            directory = os.path.dirname(path)
+            if os.path.basename(directory).startswith("omniwire-"):
+                # a directory made for omniwire's sockets (the default address, the demo,
+                # the example) goes with its last socket; rmdir refuses a non-empty one
+                with contextlib.suppress(OSError):
+                    os.rmdir(directory)
         self._files.clear()
         ctx, self.ctx = self.ctx, None
         if ctx is not None and term:

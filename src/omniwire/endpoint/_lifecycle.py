@@ -23,6 +23,7 @@ from ..addresses import parse_address
 from ..backends.base import BackendContext
 from ..errors import ConfigurationError, OmniwireError
 from ..registry import backend_status, backends, load_backend
+from ..routing import StaticTablePolicy
 from ._core import Core, State
 from ._dispatch import Dispatcher
 from ._peers import PeerTable
@@ -86,6 +87,10 @@ class Lifecycle:
             await core.supervisor.start()
             for peer, peer_address in core.config.peers.items():
                 self._peers.add(peer, peer_address)
+            policy = core.config.policy
+            if isinstance(policy, StaticTablePolicy) and core.config.peers:
+                for problem in policy.unmatched(core.name, core.config.peers):
+                    log.warning("%s: %s", core.name, problem)
         except BaseException:
             await self.release_everything()
             raise
@@ -123,9 +128,10 @@ class Lifecycle:
         core.state = State.CLOSING
         with anyio.CancelScope(shield=True):
             try:
-                self._peers.goodbye(reason)
+                # NACKs of what we hold first: the Goodbye is the last frame (§10.5)
                 self._receiver.close()
                 self._sender.close()
+                self._peers.goodbye(reason)
                 await core.outbox.flush(0.5)
             finally:
                 await self.release_everything()

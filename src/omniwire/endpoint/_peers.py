@@ -135,6 +135,7 @@ class PeerTable:
                 peer.down_since = None
                 peer.connected = True
                 peer.auth_failure = ""
+                peer.failed_handshakes = 0
                 self.core.outbox.post(peer, hello_of(self.core, peer, reply=False))
                 self._maybe_ready(peer)
             elif event is PeerEvent.DOWN:
@@ -142,12 +143,32 @@ class PeerTable:
                     peer.down_since = time.monotonic()
                 self._lost_if_dead(peer)
             elif event is PeerEvent.AUTH_FAILED:
-                peer.auth_failure = "it refused our credentials (authentication key mismatch?)"
-                self.core.counters["auth_failed"] += 1
-                self.core.noisy.warning(
-                    "auth", "%s: %s %s", self.core.name, peer.name, peer.auth_failure
+                self._auth_failed(peer, "it refused our credentials (authentication key mismatch?)")
+            elif event is PeerEvent.MECHANISM_MISMATCH:
+                self._auth_failed(
+                    peer,
+                    "it runs without CURVE (no auth_key) and this endpoint has a key"
+                    if self.core.control.key is not None
+                    else "it requires CURVE authentication and this endpoint has no auth_key",
                 )
-                peer.notify()
+            elif event is PeerEvent.HANDSHAKE_FAILED:
+                # A peer closing mid-handshake cuts one short; a wrong CURVE key cuts
+                # every one (the server cannot decrypt us and hangs up).
+                peer.failed_handshakes += 1
+                self.core.counters["handshakes_failed"] += 1
+                if self.core.control.key is not None and peer.failed_handshakes >= 2:
+                    self._auth_failed(
+                        peer,
+                        "it refused our credentials (every CURVE handshake fails: a "
+                        "different auth_key?)",
+                    )
+
+    def _auth_failed(self, peer: Peer, why: str) -> None:
+        """A handshake failed for a reason of keys: tell the waiters, count, log (bounded)."""
+        peer.auth_failure = why
+        self.core.counters["auth_failed"] += 1
+        self.core.noisy.warning("auth", "%s: %s %s", self.core.name, peer.name, why)
+        peer.notify()
 
     # -- Hello, Refusal, Goodbye in ----------------------------------------------------
 

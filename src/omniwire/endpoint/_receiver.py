@@ -353,8 +353,12 @@ class Receiver:
         msg, ref = record.msg, record.ref
         backend = self.core.backends.get(ref.backend)
         info = peer.info.get(ref.backend)
-        if backend is None or info is None:
-            why = f"backend {ref.backend!r} is not running on {self.core.name!r} for {peer.name!r}"
+        if backend is None or info is None or ref.layout not in type(backend).capabilities.layouts:
+            why = (
+                f"backend {ref.backend!r} is not running on {self.core.name!r} for {peer.name!r}"
+                if backend is None or info is None
+                else f"backend {ref.backend!r} does not use layout {ref.layout!r} (§9)"
+            )
             self.finish(peer, record, "unsupported", why)
             self._deliver(_error(peer, msg, why))
             return
@@ -484,7 +488,9 @@ class Receiver:
 
     # -- aborts, loss, close -------------------------------------------------------------
 
-    def on_abort(self, request_id: str, origin: str, reason: str, *, notify: bool) -> None:
+    def on_abort(
+        self, request_id: str, origin: str, reason: str, *, notify: bool, via: str = ""
+    ) -> None:
         """Drop everything of the request. The ``aborted`` delivery (when ``notify``) is
         made only where the request was seen — data of it sent or received here, or a
         consumer holding it: an abort of a request never seen here costs nothing but
@@ -502,7 +508,7 @@ class Receiver:
             peer.open_streams.pop(request_id, None)
         self.deliveries.drop(request_id)  # zero-copy ones NACK "aborted"
         if notify and (seen or self.deliveries.wanted(request_id)):
-            self._deliver(Delivery("aborted", request_id, origin, error=reason or None))
+            self._deliver(Delivery("aborted", request_id, origin, error=reason or None, via=via))
 
     def on_peer_gone(
         self, peer: Peer, records: list[InRecord], cause: str, error: PeerLostError
@@ -528,7 +534,9 @@ class Receiver:
     def close(self) -> None:
         for peer in self.peers.all():
             for record in list(peer.session.inbound.values()):
-                if not record.lent:
+                if record.lent:
+                    record.orphaned = True  # released after our Goodbye: no ACK then
+                else:
                     if record in peer.inbox:
                         peer.inbox.remove(record)
                     self.finish(peer, record, "receiver_closed", "receiver closed")

@@ -186,6 +186,7 @@ class Peer:
     reason: str = ""  # why it was lost or closed
     refusal: PeerRefusedError | None = None
     auth_failure: str = ""
+    failed_handshakes: int = 0  # ZMTP handshakes cut short since the last one that succeeded
     # routing
     info: dict[str, PeerInfo] = field(default_factory=dict)
     edge: Edge | None = None

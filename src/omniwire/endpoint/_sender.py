@@ -30,6 +30,7 @@ from ..errors import (
     EndpointClosedError,
     FrameTooLargeError,
     OmniwireError,
+    PeerClosedError,
     PeerLostError,
     PeerUnresponsiveError,
     RequestAbortedError,
@@ -225,7 +226,7 @@ class Sender:
     def metadata(self, metadata: Any) -> bytes:
         if metadata is None:
             return b""
-        enc = codec.dumps(metadata, allow_pickle=self.core.config.allow_pickle)
+        enc = codec.dumps(metadata, allow_pickle=self.core.config.allow_pickle, root="metadata")
         if enc.tensors:
             raise TypeError(f"metadata cannot hold tensors (found {enc.paths[0]})")
         return enc.header
@@ -548,6 +549,11 @@ class Sender:
             error = RequestAbortedError(
                 f"request {record.request_id!r} was aborted ({peer.name!r} refused object "
                 f"{record.object_id})"
+            )
+        elif msg.reason == "receiver_closed":  # its NACKs come just before its Goodbye
+            error = PeerClosedError(
+                f"{peer.name!r} closed before it took object {record.object_id} of request "
+                f"{record.request_id!r}"
             )
         else:
             error = BackendError(

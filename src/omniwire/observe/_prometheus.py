@@ -11,15 +11,20 @@ Metrics (labels in braces; an *edge* is ``endpoint`` → ``peer``)::
                                                                   application (histogram)
     omniwire_credit_wait_seconds{endpoint,peer}                   sends that waited for a
                                                                   credit (histogram)
-    omniwire_errors_total{endpoint,side,cause}                    failures: side "send"
-                                                                  (cause: the error class)
-                                                                  or "receive" (cause: the
-                                                                  delivery's cause, "error",
-                                                                  "aborted")
+    omniwire_errors_total{endpoint,side,cause}                    failed sends (side "send")
+                                                                  and error or aborted
+                                                                  deliveries ("receive")
     omniwire_in_flight_objects{endpoint,peer,direction}           sent / received, not ACKed
     omniwire_peers{endpoint}                                      peers ready now
     omniwire_deliveries_queued{endpoint}                          waiting for the application
     omniwire_events_total{endpoint,event}                         ``Endpoint.counters``
+
+``peer`` is the peer at the other end of the connection, also for an aborted
+delivery whose abort began further away (``Delivery.via``). ``cause`` is one
+vocabulary for both sides (:func:`cause_of`): ``aborted``, ``peer_lost``,
+``peer_closed``, ``refused``, ``timeout``, ``no_route``, ``handshake``, ``closed``,
+``backend_error``, ``unclaimed`` (a delivery no consumer came for) and ``error``
+(anything else: an error the sender reported, data that could not be read, a bug).
 
 ``kind`` is ``payload``, ``stream_chunk`` or ``stream_end`` (backend ``control``:
 the end rides on the control plane). Stream chunks carried inline have backend
@@ -42,12 +47,23 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from ..delivery import Delivery, SendReceipt
+from ..errors import (
+    AckTimeoutError,
+    BackendError,
+    EndpointClosedError,
+    HandshakeError,
+    NoRouteError,
+    PeerClosedError,
+    PeerLostError,
+    PeerRefusedError,
+    RequestAbortedError,
+)
 from ._observer import Observer, SendKind
 
 if TYPE_CHECKING:
     from ..endpoint import Endpoint
 
-__all__ = ["LATENCY_BUCKETS", "PrometheusObserver", "serve_metrics"]
+__all__ = ["LATENCY_BUCKETS", "PrometheusObserver", "cause_of", "serve_metrics"]
 
 #: Histogram buckets (seconds): 50 µs … 30 s.
 LATENCY_BUCKETS = (
@@ -56,6 +72,32 @@ LATENCY_BUCKETS = (
 )  # fmt: skip
 
 _EDGE = ("endpoint", "peer", "kind", "backend")
+
+#: Error classes → causes, most specific first (a subclass before its base).
+_CAUSES: tuple[tuple[type[BaseException], str], ...] = (
+    (RequestAbortedError, "aborted"),
+    (PeerClosedError, "peer_closed"),
+    (PeerRefusedError, "refused"),
+    (PeerLostError, "peer_lost"),
+    (AckTimeoutError, "timeout"),
+    (NoRouteError, "no_route"),
+    (HandshakeError, "handshake"),
+    (EndpointClosedError, "closed"),
+    (BackendError, "backend_error"),
+)
+
+
+def cause_of(error: BaseException | Delivery) -> str:
+    """The ``cause`` label of a failed send (its error) or of an ``error`` /
+    ``aborted`` delivery: one vocabulary for both sides of the same event."""
+    if isinstance(error, Delivery):
+        if error.kind == "aborted":
+            return "aborted"
+        return error.cause or "error"
+    for cls, cause in _CAUSES:
+        if isinstance(error, cls):
+            return cause
+    return "error"
 
 
 class PrometheusObserver(Observer):
@@ -161,11 +203,11 @@ class PrometheusObserver(Observer):
             assert receipt.finished is not None
             self.send_latency.labels(*labels).observe(receipt.finished - started)
         else:
-            self.errors.labels(labels[0], "send", type(receipt.error).__name__).inc()
+            self.errors.labels(labels[0], "send", cause_of(receipt.error)).inc()
 
     def send_failed(self, token: Any, error: BaseException) -> None:
         if isinstance(error, Exception):  # not a cancellation
-            self.errors.labels(token[0], "send", type(error).__name__).inc()
+            self.errors.labels(token[0], "send", cause_of(error)).inc()
 
     def credit_waited(self, endpoint: str, peer: str, seconds: float) -> None:
         self.credit_wait.labels(endpoint, peer).observe(seconds)
@@ -179,12 +221,12 @@ class PrometheusObserver(Observer):
         elif kind == "stream_end":
             self.received_objects.labels(endpoint, delivery.from_stage, kind, "control").inc()
         else:
-            cause = "aborted" if kind == "aborted" else delivery.cause or "error"
-            self.errors.labels(endpoint, "receive", cause).inc()
+            self.errors.labels(endpoint, "receive", cause_of(delivery)).inc()
 
     def taken(self, endpoint: str, delivery: Delivery) -> None:
         wait = time.monotonic() - delivery.received_at
-        self.delivery_wait.labels(endpoint, delivery.from_stage, delivery.kind).observe(wait)
+        peer = delivery.via or delivery.from_stage
+        self.delivery_wait.labels(endpoint, peer, delivery.kind).observe(wait)
 
 
 class _StateCollector(Collector):

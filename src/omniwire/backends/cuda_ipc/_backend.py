@@ -57,6 +57,7 @@ class CudaIpcBackend(ByteBackend):
         two_sided=True,
         needs_gpu_peer_access=True,
         preference=85,
+        layouts=frozenset({"packed", "per_tensor"}),
     )
     auto_start: ClassVar[Literal["always", "tcp", "never"]] = "always"
     needs_gpu: ClassVar[bool] = True
