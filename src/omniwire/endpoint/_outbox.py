@@ -198,6 +198,8 @@ class Outbox:
     def close(self) -> None:
         """The endpoint closes: what was not sent by now is dropped; nothing new is queued."""
         self._closed = True
+        for queue in self._queues.values():
+            _close_rings(queue.messages)
         self._queues.clear()
         self._dirty.clear()
         self._emptied.set()
@@ -222,6 +224,7 @@ class Outbox:
         queue = self._queues.pop(peer, None)
         if queue is not None:
             queue.error = error
+            _close_rings(queue.messages)
             queue.messages.clear()
             queue.backlog.clear()
             if queue.room is not None:
@@ -312,6 +315,14 @@ class Outbox:
             del self._queues[queue.peer.name]
         if not self._queues:
             self._emptied.set()
+
+
+def _close_rings(messages: list[wire.Message | _ToRing]) -> None:
+    """Close the rings of switches that will never happen (their queue is dropped):
+    nobody else holds those writers."""
+    for item in messages:
+        if isinstance(item, _ToRing):
+            item.writer.close()
 
 
 def _ring_send(ring: RingWriter, frame: bytes) -> bool:
