@@ -61,6 +61,7 @@ PKG_ENV := build/pkg-venv
 package: setup
 	@echo "== package: build sdist and wheel"
 	rm -rf $(DIST) $(PKG_ENV)
+	mkdir -p build
 	$(BIN)/python -m build --outdir $(DIST) . >build/package-build.log 2>&1 || \
 		{ cat build/package-build.log; exit 1; }
 	@ls $(DIST)
