@@ -90,10 +90,9 @@ class Sender:
             layout = packing.plan(enc.tensors, enc.paths)
             route = self.select(peer, payload_info(kind, enc.tensors, layout))
             if route.backend == INLINE.name and core.outbox.has_room(peer):
-                stats, msg = self._inline(
+                stats, msg, charge = self._inline(
                     peer, route, enc, layout, request_id, kind, meta, traceparent
                 )
-                charge = wire.charge(msg)
                 if peer.window.try_acquire(charge):
                     core.outbox.post(peer, msg)  # room in its queue: nothing to wait for
                     return _carried_inline(peer, request_id, layout, stats)
@@ -178,8 +177,10 @@ class Sender:
         """Send an encoded payload to a ready peer on its route (also one target of a
         fan-out, which passes the ``shared`` export it packed once)."""
         if route.backend == INLINE.name:  # may wait for its window and room in the queue
-            stats, msg = self._inline(peer, route, enc, layout, request_id, kind, meta, traceparent)
-            await self._inline_window(peer, msg, kind, wire.charge(msg))
+            stats, msg, charge = self._inline(
+                peer, route, enc, layout, request_id, kind, meta, traceparent
+            )
+            await self._inline_window(peer, msg, kind, charge)
             await self.core.outbox.send(peer, msg, self.core.config.ack_timeout)
             return _carried_inline(peer, request_id, layout, stats)
         stats, chunk_id = self._account(peer, route, request_id, kind)
@@ -218,9 +219,9 @@ class Sender:
                 metadata=meta,
                 traceparent=traceparent,
             )
-            _fit(msg)
+            charge = _fit(msg)
             peer.chunk_ids.pop(request_id, None)
-            await self._window(peer, wire.charge(msg))
+            await self._window(peer, charge)
             await core.outbox.send(peer, msg, core.config.ack_timeout)
 
     def metadata(self, metadata: Any) -> bytes:
@@ -297,8 +298,9 @@ class Sender:
         kind: Kind,
         meta: bytes,
         traceparent: str,
-    ) -> tuple[RouteStats, wire.DataReadyMessage]:
-        """The inline DataReady of a payload, accounted to its route and stream.
+    ) -> tuple[RouteStats, wire.DataReadyMessage, int]:
+        """The inline DataReady of a payload, accounted to its route and stream, and its
+        charge (spec §7.6).
 
         Raises:
             FrameTooLargeError: it would not fit in a frame (nothing was accounted).
@@ -306,12 +308,12 @@ class Sender:
         stats, chunk_id = self._account(peer, route, request_id, kind)
         msg = self._inline_message(peer, enc, layout, request_id, kind, chunk_id, meta, traceparent)
         try:
-            _fit(msg)
+            charge = _fit(msg)
         except FrameTooLargeError:
             if kind == "stream_chunk":
                 _unaccount(peer, request_id, chunk_id)
             raise
-        return stats, msg
+        return stats, msg, charge
 
     async def _inline_window(
         self, peer: Peer, msg: wire.DataReadyMessage, kind: Kind, charge: int
@@ -470,8 +472,7 @@ class Sender:
                 metadata=meta,
                 traceparent=traceparent,
             )
-            _fit(msg)
-            charge = wire.charge(msg)
+            charge = _fit(msg)
             # publish and announce under the peer's lock: a two-sided engine pairs sends
             # and receives in announce order.
             async with _locked(peer.send_lock):
@@ -629,11 +630,12 @@ def _unaccount(peer: Peer, request_id: str, chunk_id: int) -> None:
         peer.chunk_ids[request_id] = chunk_id
 
 
-def _fit(msg: wire.DataReadyMessage) -> None:
-    """Raise FrameTooLargeError if ``msg`` cannot travel in one frame (spec §3.1).
-    Exact for the messages that might not fit; small ones are not encoded here."""
-    if wire.charge(msg) < (1 << 20) and len((msg.data_ref or msg.inline or _EMPTY).tensors) < 256:
-        return
+def _fit(msg: wire.DataReadyMessage) -> int:
+    """``msg``'s charge (spec §7.6); FrameTooLargeError if it cannot travel in one frame
+    (spec §3.1). Exact for the messages that might not fit; small ones are not encoded."""
+    charge = wire.charge(msg)
+    if charge < (1 << 20) and len((msg.data_ref or msg.inline or _EMPTY).tensors) < 256:
+        return charge
     try:
         wire.encode(msg)
     except WireFormatError as exc:
@@ -643,6 +645,7 @@ def _fit(msg: wire.DataReadyMessage) -> None:
             f"frames hold at most {wire.MAX_FRAME_SIZE >> 20} MiB): send bulk bytes as a tensor, "
             "which travels by a backend"
         ) from None
+    return charge
 
 
 _EMPTY = wire.InlineStreamChunkRef()
