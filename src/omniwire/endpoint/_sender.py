@@ -328,7 +328,7 @@ class Sender:
                         peer.session.forget_outbound(record.object_id)
         except BaseException as exc:
             if not posted:
-                record.release(_as_error(exc, peer))
+                record.release(_as_error(exc, peer), "not sent")
             raise
         stats.count += 1
         stats.nbytes += nbytes
@@ -386,7 +386,7 @@ class Sender:
                 f"{record.request_id!r} ({msg.reason or 'internal'}): {msg.error or ''}"
             )
             self.core.noisy.warning("nack", "%s: %s", self.core.name, error)
-        record.release(error)
+        record.release(error, "refused")
 
     def on_abort(self, request_id: str, error: RequestAbortedError) -> None:
         """Fail the receipts of the request; the buffers wait for the peers' NACKs."""
@@ -408,7 +408,8 @@ class Sender:
                         AckTimeoutError(
                             f"peer {peer.name!r} did not acknowledge object {record.object_id} "
                             f"(request {record.request_id!r}, {record.length} bytes via "
-                            f"{record.receipt.backend}) within {timeout:g} s"
+                            f"{record.receipt.backend}) within {timeout:g} s; it may still be "
+                            "delivered: receipt.settled() tells once its ACK or NACK comes"
                         )
                     )
 
