@@ -68,8 +68,14 @@ async def receive(args: argparse.Namespace) -> int:
                         ok = None
                         if d.kind in ("payload", "stream_chunk"):
                             t = d.payload["x"] if d.kind == "payload" else d.payload
-                            ok = bool(torch.equal(t, pattern(d.metadata["i"], t.numel() * 8)))
-                            say(rid=d.request_id, kind=d.kind, i=d.metadata["i"], ok=ok)
+                            want = pattern(d.metadata["i"], t.numel() * 8)
+                            ok = bool(torch.equal(t, want))
+                            bad = {}
+                            if not ok:  # where it differs, and whose bytes are there
+                                diff = (t != want).nonzero()
+                                lo, hi = int(diff[0]), int(diff[-1])
+                                bad = {"bad": [lo * 8, hi * 8 + 8, int(t[lo] - want[lo])]}
+                            say(rid=d.request_id, kind=d.kind, i=d.metadata["i"], ok=ok, **bad)
                         else:
                             say(rid=d.request_id, kind=d.kind, error=d.error)
                         d.release()

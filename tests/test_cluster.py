@@ -9,12 +9,20 @@ stage pair sharing a host. Needs root: fails rather than skips under
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import queue
 import shlex
+import signal
+import subprocess
 import sys
-from collections.abc import Iterator
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -82,3 +90,134 @@ def test_pipeline_across_namespace_hosts(cluster: Cluster, engine: str, placemen
     for host in cluster.hosts.values():
         assert host.pids() == [], f"processes left on {host}"
         assert host.shm() == [], f"left in /dev/shm of {host}"
+
+
+# -- partitions, heals and host death --------------------------------------------------
+
+PEER = Path(__file__).resolve().parent / "cluster_peer.py"
+PEER_TIMEOUT = 2.0
+
+
+class Side:
+    """A ``cluster_peer.py`` process in a host; its JSON lines read by a thread."""
+
+    def __init__(self, host: Host, *args: str) -> None:
+        self.host = host
+        self.stderr = tempfile.TemporaryFile("w+")  # noqa: SIM115 (closed by finish/kill; a pipe could fill and stall it)
+        self.proc = host.popen(
+            [*host_env(host), sys.executable, str(PEER), *args],
+            stdout=subprocess.PIPE,
+            stderr=self.stderr,
+            text=True,
+            env=clean_env(),
+        )
+        self.lines: queue.Queue[dict[str, Any] | None] = queue.Queue()
+        self.seen: list[dict[str, Any]] = []
+        self.address = ""
+        threading.Thread(target=self._read, daemon=True).start()
+        if args[0] == "recv":
+            self.address = self.expect(lambda m: "ready" in m, 30)["ready"]
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        with self.proc.stdout:
+            for line in self.proc.stdout:
+                if line.startswith("{"):
+                    self.lines.put(json.loads(line))
+        self.lines.put(None)
+
+    def expect(self, pred: Callable[[dict[str, Any]], bool], timeout: float) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                m = self.lines.get(timeout=left)
+            except queue.Empty:
+                break
+            if m is None:
+                break
+            self.seen.append(m)
+            if pred(m):
+                return m
+        raise AssertionError(f"no such line within {timeout} s; seen {self.seen[-6:]}")
+
+    def finish(self, timeout: float = 30) -> list[dict[str, Any]]:
+        """Wait for the exit (a receiver is sent SIGTERM first); every line it printed.
+        Asserts the exit code is 0."""
+        if self.address and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            code = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise AssertionError(f"{self.host.name}: no exit within {timeout} s") from None
+        with contextlib.suppress(AssertionError):
+            self.expect(lambda m: False, 5)  # the rest of its lines
+        self.stderr.seek(0)
+        err = self.stderr.read()
+        self.stderr.close()
+        assert code == 0, f"{self.host.name}: exit {code}: {err[-3000:]}"
+        return self.seen
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(10)
+        self.stderr.close()
+
+
+def start_pair(cluster: Cluster, engine: str, *extra: str) -> tuple[Side, Side, Host, Host]:
+    sender, receiver = cluster["c"], cluster["b"]
+    common = ["--backends", f"local,shm,{engine}", "--peer-timeout", str(PEER_TIMEOUT)]
+    route = [] if engine == "mooncake" else ["--route", engine]
+    recv = Side(receiver, "recv", "--name", "r", "--address", f"tcp://{receiver.ip}:0",
+                *common)  # fmt: skip
+    send = Side(sender, "send", "--name", "s", "--address", f"tcp://{sender.ip}:0",
+                "--peer", f"r={recv.address}", *common, *route, *extra)  # fmt: skip
+    send.expect(lambda m: m.get("ready") is True, 30)
+    return send, recv, sender, receiver
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("stream", [False, True], ids=["payloads", "stream"])
+@pytest.mark.parametrize("engine", ["mooncake", "nixl"])
+def test_a_partition_mid_transfer_fails_in_bounded_time_and_heals(
+    cluster: Cluster, engine: str, stream: bool
+) -> None:
+    """Link down while an object is in flight: its receipt fails as lost/unresponsive
+    within peer_timeout + a bound, nothing is delivered twice, the peers make a new
+    session by themselves once the link is back, and later sends succeed."""
+    require_backend(engine)
+    cluster["c"].set_rate("200mbit")  # 16 MiB takes ~0.7 s on the wire
+    extra = ["--size", str(16 << 20), "--count", "4", "--settle", "8"]
+    send, recv, sender, _ = start_pair(cluster, engine, *extra, *(["--stream"] if stream else []))
+    try:
+        send.expect(lambda m: m.get("sent") == 1, 30)
+        time.sleep(0.2)
+        sender.link_down()
+        down = time.monotonic()
+        failed = send.expect(lambda m: m.get("i") == 1, PEER_TIMEOUT + 30)
+        failed_after = time.monotonic() - down
+        time.sleep(2)
+        sender.link_up()
+        lines = send.finish(60)
+    finally:
+        sender.link_up()
+        cluster["c"].set_rate("1gbit")
+    got = recv.finish(30)
+    results = {m["i"]: m for m in lines if "i" in m and "ok" in m}
+    settled = next(m["settled"] for m in lines if "settled" in m)
+    assert results[0]["ok"] and results[2]["ok"] and results[3]["ok"], results
+    if not failed["ok"]:  # it may also have made it across before the link went
+        assert failed["error"] in ("PeerUnresponsiveError", "PeerLostError"), failed
+        assert failed_after < PEER_TIMEOUT + 3, failed
+        assert any("rejoined" in m for m in lines), lines
+    delivered = [(m["rid"], m["i"]) for m in got if m.get("kind") in ("payload", "stream_chunk")]
+    assert len(delivered) == len(set(delivered)), f"delivered twice: {delivered}"
+    assert all(m["ok"] for m in got if "ok" in m), f"bytes differ: {got} {lines}"
+    for i, outcome in settled.items():
+        was = any(d[1] == int(i) for d in delivered)
+        assert outcome in ("delivered", "unknown"), settled
+        assert not (outcome == "delivered" and not was), (i, settled, delivered)
+    assert {d[1] for d in delivered} >= {0, 2, 3}
+    held = next(m["held"] for m in got if "end" in m)
+    assert not any(held.values()), held

@@ -116,6 +116,16 @@ class Host:
     def link_up(self) -> None:
         _ip("-n", self.netns, "link", "set", self.ifname, "up")
 
+    def set_rate(self, rate: str) -> None:
+        """Change this host's egress cap (``tc tbf`` syntax, e.g. ``"200mbit"``)."""
+        tc = subprocess.run(
+            ["tc", "-n", self.netns, "qdisc", "replace", "dev", self.ifname, "root", "tbf",
+             "rate", rate, "burst", "4mb", "latency", "100ms"],
+            capture_output=True, text=True, timeout=20,
+        )  # fmt: skip
+        if tc.returncode != 0:
+            raise ClusterUnavailableError(f"tc tbf on {self.ifname}: {tc.stderr.strip()}")
+
     def pids(self) -> list[int]:
         """Every process in this host except its anchor."""
         anchor = self.anchor.pid if self.anchor is not None else -1
@@ -193,14 +203,7 @@ class Cluster:
             _ip("-n", host.netns, "addr", "add", f"{host.ip}/24", "dev", host.ifname)
             _ip("-n", host.netns, "link", "set", "lo", "up")
             _ip("-n", host.netns, "link", "set", host.ifname, "up")
-            rate = self._rates[host.name]
-            tc = subprocess.run(
-                ["tc", "-n", host.netns, "qdisc", "add", "dev", host.ifname, "root", "tbf",
-                 "rate", rate, "burst", "4mb", "latency", "100ms"],
-                capture_output=True, text=True, timeout=20,
-            )  # fmt: skip
-            if tc.returncode != 0:
-                raise ClusterUnavailableError(f"tc tbf on {host.ifname}: {tc.stderr.strip()}")
+            host.set_rate(self._rates[host.name])
             host._start_anchor()
 
     def close(self) -> None:
