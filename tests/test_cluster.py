@@ -34,8 +34,11 @@ pytestmark = [pytest.mark.slow]
 
 
 def host_env(host: Host) -> list[str]:
-    """The per-host engine settings: UCX and gloo bind to the host's veth."""
-    return ["env", f"UCX_NET_DEVICES={host.ifname}", f"GLOO_SOCKET_IFNAME={host.ifname}"]
+    """The per-host engine settings: UCX and gloo bind to the host's veth, and UCX
+    moves bytes over TCP (its shared-memory transports would reach across the
+    namespaces of one kernel, as no two real hosts can)."""
+    ucx = [f"UCX_NET_DEVICES={host.ifname}", "UCX_TLS=tcp"]
+    return ["env", *ucx, f"GLOO_SOCKET_IFNAME={host.ifname}"]
 
 
 def clean_env() -> dict[str, str]:
@@ -197,8 +200,8 @@ def test_a_partition_mid_transfer_fails_in_bounded_time_and_heals(
         down = time.monotonic()
         failed = send.expect(lambda m: m.get("i") == 1, PEER_TIMEOUT + 30)
         failed_after = time.monotonic() - down
-        time.sleep(2)
-        sender.link_up()
+        time.sleep(max(0.0, PEER_TIMEOUT + 1.5 - (time.monotonic() - down)))
+        sender.link_up()  # down for longer than peer_timeout: both sides saw the loss
         lines = send.finish(60)
     finally:
         sender.link_up()
@@ -221,3 +224,68 @@ def test_a_partition_mid_transfer_fails_in_bounded_time_and_heals(
     assert {d[1] for d in delivered} >= {0, 2, 3}
     held = next(m["held"] for m in got if "end" in m)
     assert not any(held.values()), held
+
+
+@pytest.mark.timeout(120)
+def test_a_link_down_for_good_fails_everywhere_in_bounded_time(cluster: Cluster) -> None:
+    """No heal: the in-flight receipt fails, the sender gives up waiting for the peer
+    and closes, the receiver reports the lost request and closes; nothing hangs or
+    stays behind on either host."""
+    cluster["c"].set_rate("200mbit")
+    extra = ["--size", str(16 << 20), "--count", "3", "--rejoin", "3", "--settle", "1"]
+    send, recv, sender, receiver = start_pair(cluster, "mooncake", *extra)
+    try:
+        send.expect(lambda m: m.get("sent") == 1, 30)
+        time.sleep(0.2)
+        sender.link_down()
+        down = time.monotonic()
+        failed = send.expect(lambda m: m.get("i") == 1, PEER_TIMEOUT + 30)
+        assert not failed["ok"] and failed["error"] in ("PeerUnresponsiveError", "PeerLostError")
+        assert time.monotonic() - down < PEER_TIMEOUT + 3, failed
+        lost = recv.expect(lambda m: m.get("kind") == "error", PEER_TIMEOUT + 5)
+        assert lost["rid"] == "p1", lost
+        lines = send.finish(30)  # gives up after --rejoin, then closes
+        assert any("gone" in m for m in lines), lines
+        got = recv.finish(30)
+    finally:
+        sender.link_up()
+        cluster["c"].set_rate("1gbit")
+    assert [m["rid"] for m in got if m.get("kind") == "payload"] == ["p0"]
+    assert not any(next(m["held"] for m in got if "end" in m).values())
+    for host in (sender, receiver):
+        assert host.pids() == [] and host.shm() == [], host
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("dead", ["sender", "receiver"])
+def test_all_processes_of_one_host_killed_at_once(cluster: Cluster, dead: str) -> None:
+    """A host dies mid transfer (SIGKILL to everything on it): the other side fails
+    what it had in flight within a bound, closes cleanly, and holds nothing."""
+    cluster["c"].set_rate("200mbit")
+    extra = ["--size", str(16 << 20), "--count", "3", "--rejoin", "3", "--settle", "1"]
+    send, recv, sender, receiver = start_pair(cluster, "mooncake", *extra)
+    try:
+        send.expect(lambda m: m.get("sent") == 1, 30)
+        time.sleep(0.2)
+        victim, survivor = (sender, receiver) if dead == "sender" else (receiver, sender)
+        assert victim.kill_all()
+        killed = time.monotonic()
+        if dead == "sender":
+            send.kill()
+            lost = recv.expect(lambda m: m.get("kind") == "error", PEER_TIMEOUT + 5)
+            assert lost["rid"] == "p1", lost
+            got = recv.finish(30)
+            assert not any(next(m["held"] for m in got if "end" in m).values())
+        else:
+            recv.kill()
+            failed = send.expect(lambda m: m.get("i") == 1, PEER_TIMEOUT + 30)
+            assert not failed["ok"] and "Peer" in failed["error"], failed
+            lines = send.finish(30)
+            assert any("gone" in m for m in lines), lines
+        assert time.monotonic() - killed < PEER_TIMEOUT + 10
+    finally:
+        cluster["c"].set_rate("1gbit")
+    assert survivor.pids() == [] and survivor.shm() == [], survivor
+    for name in victim.shm():  # SIGKILL leaves the victim's own segments: nobody ran to
+        assert name.startswith("omniwire-"), name  # clean them (the host is gone)
+    victim.run(["sh", "-c", "rm -f /dev/shm/omniwire-*"])
