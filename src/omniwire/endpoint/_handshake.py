@@ -38,6 +38,7 @@ def hello_of(
         ("pickle", core.config.allow_pickle),
         ("zero_copy", core.config.zero_copy),
         ("ring", core.config.control_ring),
+        ("digest", True),  # this endpoint checks DataRef.digest (spec §7.6)
     )
     return wire.HelloMessage(
         endpoint=core.name,

@@ -22,6 +22,7 @@ import torch
 from .. import codec, packing, wire
 from ..backends.base import ByteBackend, ObjectBackend
 from ..delivery import SendReceipt
+from ..digest import digest_of_async
 from ..errors import (
     AckTimeoutError,
     BackendError,
@@ -292,6 +293,10 @@ class Sender:
                 record.export = shared.share()
                 points = [nbytes]
             assert record.export is not None
+            digest = None
+            hello = peer.hello
+            if core.config.digest and record.export.layout != "object" and hello is not None:
+                digest = await digest_of_async(enc.tensors) if "digest" in hello.features else None
             ref = wire.DataRef(
                 object_id=record.object_id,
                 kind=kind,
@@ -301,6 +306,7 @@ class Sender:
                 header=enc.header if record.export.layout != "object" else b"",
                 tensors=layout.metas if record.export.layout != "object" else (),
                 ready=points[0] if points[0] < nbytes else None,
+                digest=digest,
             )
             msg = wire.DataReadyMessage(
                 request_id=request_id,

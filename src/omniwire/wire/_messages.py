@@ -66,6 +66,7 @@ NackReason = Literal[
     "unsupported",  # the receiver does not run that backend or layout
     "misaddressed",  # to_stage is not the receiver
     "timeout",  # the sender made no progress on a progressive object
+    "digest_mismatch",  # the bytes read do not match DataRef.digest (feature "digest")
     "internal",  # a bug in the receiver
 ]
 NACK_REASONS: frozenset[str] = frozenset(NackReason.__args__)  # type: ignore[attr-defined]
@@ -198,6 +199,10 @@ class DataRef(_Base, frozen=True, kw_only=True):
     #: Bytes ``[0, ready)`` are valid now; the rest follow in DataProgressMessages.
     #: ``None`` means all ``ref.length`` bytes are valid.
     ready: int | None = None
+    #: 1.1, feature ``"digest"`` (spec §7.6): XXH3-64 of the tensor bytes, tensor by
+    #: tensor in table order; ``None``: no digest. A reader that does not know it
+    #: ignores it.
+    digest: int | None = None
 
     def __post_init__(self) -> None:
         if self.version != 1:
@@ -218,6 +223,10 @@ class DataRef(_Base, frozen=True, kw_only=True):
             )
         if self.ready is not None and not 0 <= self.ready <= self.ref.length:
             raise ValueError(f"DataRef.ready {self.ready} is outside [0, {self.ref.length}]")
+        if self.digest is not None:
+            _u64("DataRef.digest", self.digest)
+            if self.layout == "object":
+                raise ValueError("DataRef with layout 'object' carries no digest")
 
 
 class InlineStreamChunkRef(_Base, frozen=True, kw_only=True):
