@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import time
@@ -46,8 +47,17 @@ class ClusterUnavailableError(RuntimeError):
     """Namespaces cannot be made here (not root, or no ``ip``/``unshare``/``nsenter``)."""
 
 
+def _run(argv: list[str]) -> subprocess.CompletedProcess[str]:
+    try:
+        return subprocess.run(argv, capture_output=True, text=True, timeout=20)
+    except FileNotFoundError:
+        raise ClusterUnavailableError(
+            f"{argv[0]} is not installed (apt-get install iproute2 util-linux)"
+        ) from None
+
+
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    done = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=20)
+    done = _run(["ip", *args])
     if check and done.returncode != 0:
         raise ClusterUnavailableError(f"ip {' '.join(args)}: {done.stderr.strip()}")
     return done
@@ -118,11 +128,8 @@ class Host:
 
     def set_rate(self, rate: str) -> None:
         """Change this host's egress cap (``tc tbf`` syntax, e.g. ``"200mbit"``)."""
-        tc = subprocess.run(
-            ["tc", "-n", self.netns, "qdisc", "replace", "dev", self.ifname, "root", "tbf",
-             "rate", rate, "burst", "4mb", "latency", "100ms"],
-            capture_output=True, text=True, timeout=20,
-        )  # fmt: skip
+        tc = _run(["tc", "-n", self.netns, "qdisc", "replace", "dev", self.ifname, "root",
+                   "tbf", "rate", rate, "burst", "4mb", "latency", "100ms"])  # fmt: skip
         if tc.returncode != 0:
             raise ClusterUnavailableError(f"tc tbf on {self.ifname}: {tc.stderr.strip()}")
 
@@ -191,6 +198,9 @@ class Cluster:
     def _create(self) -> None:
         if os.geteuid() != 0:
             raise ClusterUnavailableError("network namespaces need root")
+        for tool in ("unshare", "nsenter"):
+            if shutil.which(tool) is None:
+                raise ClusterUnavailableError(f"{tool} is not installed (util-linux)")
         sweep()
         _ip("netns", "add", self.switch)
         _ip("-n", self.switch, "link", "add", "br0", "type", "bridge")
