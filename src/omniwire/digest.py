@@ -13,7 +13,6 @@ from collections.abc import Sequence
 
 import anyio
 import torch
-import xxhash
 
 __all__ = ["digest_of", "digest_of_async"]
 
@@ -24,6 +23,8 @@ _THREAD_THRESHOLD = 1 << 20
 def digest_of(tensors: Sequence[torch.Tensor]) -> int | None:
     """The digest of ``tensors`` in order, or None if one is not in host memory (the
     digest covers CPU tensors only). Blocking; non-contiguous tensors are copied."""
+    import xxhash  # imported on first use: only endpoints that meet digests need it
+
     h = xxhash.xxh3_64()
     for t in tensors:
         if t.device.type != "cpu":
