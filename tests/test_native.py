@@ -80,3 +80,28 @@ def test_a_real_mooncake_engine_start_prints_nothing() -> None:
     assert "transfer_metadata.cpp" not in done.stderr, done.stderr
     assert "InitGoogleLogging" not in done.stderr, done.stderr
     assert int(lines) >= 1  # it did say something, and it went to the log
+
+
+@pytest.mark.engine
+def test_the_mooncake_backend_keeps_its_engine_off_the_terminal() -> None:
+    """What `omniwire demo --remote` starts: the backend's own engine (not a bare
+    engine_stderr block) writes no glog line to the terminal."""
+    if importlib.util.find_spec("mooncake") is None:
+        pytest.skip("mooncake-transfer-engine is not installed")
+    script = textwrap.dedent(
+        """
+        import logging, os
+        logging.basicConfig(level=logging.INFO, format="LOG %(name)s %(message)s",
+                            handlers=[logging.StreamHandler(open(os.devnull, "w"))])
+        from omniwire.backends.mooncake._engine import TransferEngine
+        engine = TransferEngine("127.0.0.1", "tcp")
+        print(engine.session, flush=True)
+        os._exit(0)
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert "transfer_metadata.cpp" not in done.stderr, done.stderr
+    assert "InitGoogleLogging" not in done.stderr, done.stderr

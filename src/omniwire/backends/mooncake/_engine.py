@@ -23,6 +23,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
+from ..._native import engine_stderr
 from ...errors import BackendError
 from ..support import TransferTimeoutError, poll_until
 
@@ -76,11 +77,13 @@ class TransferEngine:
             engine = importlib.import_module("mooncake.engine").TransferEngine()
         except (ImportError, OSError) as exc:
             raise BackendError(f"mooncake: cannot load the transfer engine: {exc}") from exc
-        rc = engine.initialize(host, "P2PHANDSHAKE", protocol, device_name)
+        with engine_stderr("mooncake") as native:  # its glog lines go to omniwire.native
+            rc = engine.initialize(host, "P2PHANDSHAKE", protocol, device_name)
         if rc != 0:
+            said = f" ({native.text()})" if native.lines else ""
             raise BackendError(
                 f"mooncake: TransferEngine.initialize({host!r}, 'P2PHANDSHAKE', {protocol!r}, "
-                f"{device_name!r}) failed with code {rc}"
+                f"{device_name!r}) failed with code {rc}{said}"
             )
         self._te: Any = engine
         self.session = f"{host}:{engine.get_rpc_port()}"
