@@ -289,3 +289,23 @@ def test_all_processes_of_one_host_killed_at_once(cluster: Cluster, dead: str) -
     for name in victim.shm():  # SIGKILL leaves the victim's own segments: nobody ran to
         assert name.startswith("omniwire-"), name  # clean them (the host is gone)
     victim.run(["sh", "-c", "rm -f /dev/shm/omniwire-*"])
+
+
+@pytest.mark.timeout(120)
+def test_demo_remote_across_two_namespace_hosts(cluster: Cluster) -> None:
+    """``omniwire demo --remote --hosts ... --far-launch ...``: src on host a, far on
+    host b, told apart by detection alone; the engines' native lines (Mooncake's
+    "Local segment descriptor not found") stay off the terminal."""
+    a, b = cluster["a"], cluster["b"]
+    far = shlex.join(b.command(host_env(b)))
+    done = a.run(
+        [*host_env(a), sys.executable, "-m", "omniwire.cli", "demo", "--remote",
+         "--hosts", f"{a.ip},{b.ip}", "--far-launch", far],
+        timeout=100, capture_output=True, text=True, env=clean_env(),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "omniwire demo: OK" in done.stdout
+    assert "src→far    payload       mooncake" in done.stdout
+    assert "another host" in done.stdout
+    terminal = done.stdout + done.stderr
+    assert "segment descriptor" not in terminal and "InitGoogleLogging" not in terminal, terminal
