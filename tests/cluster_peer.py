@@ -52,6 +52,7 @@ def endpoint(args: argparse.Namespace) -> Endpoint:
         peer_timeout=args.peer_timeout,
         heartbeat_interval=args.peer_timeout / 4,
         handshake_timeout=args.rejoin,
+        digest=args.digest,
     )
 
 
@@ -97,10 +98,10 @@ async def send(args: argparse.Namespace) -> int:
         say(ready=True)
         stream = 0
         for i in range(args.count):
-            started = time.monotonic()
             rid = f"s{stream}" if args.stream else f"p{i}"
+            tensor = pattern(i, args.size)
+            started = time.monotonic()
             try:
-                tensor = pattern(i, args.size)
                 if args.stream:
                     receipt = await ep.stream(peer, tensor, request_id=rid, metadata={"i": i})
                 else:
@@ -152,6 +153,7 @@ def main() -> int:
     p.add_argument("--peer-timeout", type=float, default=2.0)
     p.add_argument("--rejoin", type=float, default=20.0)
     p.add_argument("--settle", type=float, default=10.0)
+    p.add_argument("--digest", action="store_true", help="Endpoint(digest=True)")
     args = p.parse_args()
     return anyio.run(receive if args.role == "recv" else send, args)
 
