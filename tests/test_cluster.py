@@ -185,8 +185,8 @@ def start_pair(cluster: Cluster, engine: str, *extra: str) -> tuple[Side, Side, 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(
     ("engine", "stream"),
-    [("mooncake", False), ("mooncake", True), ("nixl", False)],
-    ids=["mooncake-payloads", "mooncake-stream", "nixl-payloads"],
+    [("mooncake", False), ("mooncake", True), ("nixl", False), ("nccl", False)],
+    ids=["mooncake-payloads", "mooncake-stream", "nixl-payloads", "nccl-payloads"],
 )
 def test_a_partition_mid_transfer_fails_in_bounded_time_and_heals(
     cluster: Cluster, engine: str, stream: bool
