@@ -76,7 +76,10 @@ async def receive(args: argparse.Namespace) -> int:
                                 diff = (t != want).nonzero()
                                 lo, hi = int(diff[0]), int(diff[-1])
                                 bad = {"bad": [lo * 8, hi * 8 + 8, int(t[lo] - want[lo])]}
-                            say(rid=d.request_id, kind=d.kind, i=d.metadata["i"], ok=ok, **bad)
+                            # CLOCK_MONOTONIC is one clock for every namespace of a kernel
+                            late = time.monotonic() - d.metadata.get("t0", 0.0)
+                            say(rid=d.request_id, kind=d.kind, i=d.metadata["i"], ok=ok,
+                                after=late, **bad)  # fmt: skip
                         else:
                             say(rid=d.request_id, kind=d.kind, error=d.error)
                         d.release()
@@ -101,13 +104,16 @@ async def send(args: argparse.Namespace) -> int:
             rid = f"s{stream}" if args.stream else f"p{i}"
             tensor = pattern(i, args.size)
             started = time.monotonic()
+            meta = {"i": i, "t0": started}
             try:
                 if args.stream:
-                    receipt = await ep.stream(peer, tensor, request_id=rid, metadata={"i": i})
+                    receipt = await ep.stream(peer, tensor, request_id=rid, metadata=meta)
                 else:
-                    receipt = await ep.send(peer, {"x": tensor}, request_id=rid, metadata={"i": i})
+                    receipt = await ep.send(
+                        peer, {"x": tensor}, request_id=rid, metadata=meta, lend=args.lend
+                    )
                 receipts[i] = receipt
-                say(sent=i)
+                say(sent=i, after=time.monotonic() - started)
                 await receipt.wait()
                 say(i=i, rid=rid, ok=True, took=time.monotonic() - started)
             except OmniwireError as exc:
@@ -154,6 +160,7 @@ def main() -> int:
     p.add_argument("--rejoin", type=float, default=20.0)
     p.add_argument("--settle", type=float, default=10.0)
     p.add_argument("--digest", action="store_true", help="Endpoint(digest=True)")
+    p.add_argument("--lend", action="store_true", help="send(..., lend=True)")
     args = p.parse_args()
     return anyio.run(receive if args.role == "recv" else send, args)
 
