@@ -66,6 +66,8 @@ async def receive(args: argparse.Namespace) -> int:
                 async def take() -> None:
                     while True:
                         d = await ep.receive()
+                        # CLOCK_MONOTONIC is one clock for every namespace of a kernel
+                        late = time.monotonic() - d.metadata.get("t0", 0.0)
                         ok = None
                         if d.kind in ("payload", "stream_chunk"):
                             t = d.payload["x"] if d.kind == "payload" else d.payload
@@ -76,8 +78,6 @@ async def receive(args: argparse.Namespace) -> int:
                                 diff = (t != want).nonzero()
                                 lo, hi = int(diff[0]), int(diff[-1])
                                 bad = {"bad": [lo * 8, hi * 8 + 8, int(t[lo] - want[lo])]}
-                            # CLOCK_MONOTONIC is one clock for every namespace of a kernel
-                            late = time.monotonic() - d.metadata.get("t0", 0.0)
                             say(rid=d.request_id, kind=d.kind, i=d.metadata["i"], ok=ok,
                                 after=late, **bad)  # fmt: skip
                         else:
