@@ -50,7 +50,7 @@ def endpoint(args: argparse.Namespace) -> Endpoint:
         routes={p.split("=", 1)[0]: args.route for p in args.peer} if args.route else None,
         ack_timeout=args.ack_timeout,
         peer_timeout=args.peer_timeout,
-        heartbeat_interval=args.peer_timeout / 4,
+        heartbeat_interval=args.heartbeat or args.peer_timeout / 4,
         handshake_timeout=args.rejoin,
         digest=args.digest,
     )
@@ -67,7 +67,7 @@ async def receive(args: argparse.Namespace) -> int:
                     while True:
                         d = await ep.receive()
                         # CLOCK_MONOTONIC is one clock for every namespace of a kernel
-                        late = time.monotonic() - d.metadata.get("t0", 0.0)
+                        late = time.monotonic() - (d.metadata or {}).get("t0", 0.0)
                         ok = None
                         if d.kind in ("payload", "stream_chunk"):
                             t = d.payload["x"] if d.kind == "payload" else d.payload
@@ -157,6 +157,7 @@ def main() -> int:
     p.add_argument("--gap", type=float, default=0.0, help="seconds between sends")
     p.add_argument("--ack-timeout", type=float, default=30.0)
     p.add_argument("--peer-timeout", type=float, default=2.0)
+    p.add_argument("--heartbeat", type=float, default=0.0, help="default: peer_timeout / 4")
     p.add_argument("--rejoin", type=float, default=20.0)
     p.add_argument("--settle", type=float, default=10.0)
     p.add_argument("--digest", action="store_true", help="Endpoint(digest=True)")
