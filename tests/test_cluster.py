@@ -318,12 +318,6 @@ def test_demo_remote_across_two_namespace_hosts(cluster: Cluster) -> None:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.xfail(
-    strict=True,
-    reason="known bug: a Hello after the peer ended our session is taken for a reconnect "
-    "(HelloOutcome.DUPLICATE): the sender's in-flight objects wait for ack_timeout. "
-    "Needs a session epoch in the Hello (see /work/notes/issue-21.md)",
-)
 def test_a_partition_only_one_side_noticed_fails_in_flight_objects_at_the_heal(
     cluster: Cluster,
 ) -> None:

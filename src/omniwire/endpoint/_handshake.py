@@ -58,6 +58,7 @@ def hello_of(
         to_endpoint=peer.name if peer is not None else "",
         ring=peer.ring_reader.name if peer is not None and peer.ring_reader is not None else "",
         ring_attached=ring_attached,
+        epoch=peer.epoch if peer is not None else 0,
     )
 
 

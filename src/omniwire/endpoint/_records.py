@@ -179,6 +179,9 @@ class Peer:
     changed: anyio.Event = field(default_factory=anyio.Event)
     #: Bumped at every new session, so records of an old one are told apart.
     generation: int = 0
+    #: How many times this endpoint declared the peer lost: sent in our Hellos, so a
+    #: peer that did not notice the loss ends its side of the session (spec §10.6).
+    epoch: int = 0
     push_open: bool = False  # our PUSH socket (and its monitor) exist
     connected: bool = False  # our PUSH completed a ZMTP handshake since it was opened
     hello_done: bool = False  # the current Hello was accepted and backends connected

@@ -310,6 +310,9 @@ class HelloMessage(_Base, frozen=True, kw_only=True, tag="hello", tag_field="typ
     #: 1.1: the peer's ring this sender has just attached to. This Hello is the last
     #: frame of the sender on ZeroMQ; its later frames come through that ring.
     ring_attached: str = ""
+    #: 1.1: how many times this instance declared the addressee lost (spec §10.6). A
+    #: higher epoch than in the last Hello of an active session ends that session.
+    epoch: int = 0
 
     def __post_init__(self) -> None:
         _name("HelloMessage.endpoint", self.endpoint)
@@ -333,6 +336,7 @@ class HelloMessage(_Base, frozen=True, kw_only=True, tag="hello", tag_field="typ
         if len(self.backends) > 256:
             raise ValueError("HelloMessage.backends has more than 256 entries")
         _text("HelloMessage.to_endpoint", self.to_endpoint, MAX_NAME_BYTES, empty_ok=True)
+        _u64("HelloMessage.epoch", self.epoch)
         _text("HelloMessage.ring", self.ring, MAX_NAME_BYTES, empty_ok=True)
         _text("HelloMessage.ring_attached", self.ring_attached, MAX_NAME_BYTES, empty_ok=True)
 
