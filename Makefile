@@ -12,7 +12,8 @@ EXTRAS := test,bench,mooncake,nixl
 EXAMPLE := examples/omniwire-backend-example
 # Debian libraries `import mooncake.engine` needs. No ibverbs-providers: its
 # libefa makes NIXL processes segfault at exit (see shared/BACKENDS.md).
-DEB_LIBS := libibverbs1 libnl-3-200 libnl-route-3-200
+# iproute2 (ip, tc): the namespace "hosts" of tests/test_cluster.py
+DEB_LIBS := libibverbs1 libnl-3-200 libnl-route-3-200 iproute2
 
 .PHONY: setup run test lint typecheck package bench demo-remote clean
 

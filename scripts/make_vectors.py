@@ -187,6 +187,14 @@ def messages() -> dict[str, wire.Message]:
             ring_attached=RING_THINKER,
         ),
         "data_ready_ref": progressive,
+        # feature "digest" (§7.6): XXH3-64 of the tensor bytes, here a fixed value
+        "data_ready_ref_digest": msgspec.structs.replace(
+            progressive,
+            request_id="req-2",
+            data_ref=msgspec.structs.replace(
+                progressive.data_ref, object_id=19, ready=None, digest=0x9E3779B97F4A7C15
+            ),
+        ),
         "data_ready_ref_dedicated": msgspec.structs.replace(
             progressive,
             request_id="req-1",
@@ -474,9 +482,10 @@ def compat() -> dict[str, tuple[bytes, wire.Message]]:
     )
     abort10 = wire.AbortMessage(request_id="req-0", from_stage="encoder", reason="gone")
     ready10 = msgspec.structs.replace(msgs["data_ready_inline"], traceparent="")
+    ref10 = msgspec.structs.replace(msgs["data_ready_ref"], traceparent="")
     return {
         "hello_1_0": (
-            _frame(_without(hello10, "to_endpoint", "ring", "ring_attached", "window"), minor=0),
+            _frame(_without(hello10, "to_endpoint", "ring", "ring_attached", "window", "epoch"), minor=0),
             hello10,
         ),
         "data_ack_1_0": (_frame(_without(ack10, "reason"), minor=0), ack10),
@@ -485,7 +494,16 @@ def compat() -> dict[str, tuple[bytes, wire.Message]]:
             _frame(_without(ready10, "traceparent") | {"inline": _inline_10(ready10)}, minor=0),
             ready10,
         ),
+        # a DataRef without DataRef.digest (a 1.0 writer, or one before the feature
+        # "digest") reads as one with no digest
+        "data_ready_ref_1_0": (_frame(_without_digest(ref10), minor=0), ref10),
     }
+
+
+def _without_digest(msg: wire.Message) -> dict[str, Any]:
+    body = _without(msg, "traceparent")
+    body["data_ref"].pop("digest")
+    return body
 
 
 def _inline_10(msg: wire.DataReadyMessage) -> dict[str, Any]:

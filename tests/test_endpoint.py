@@ -131,6 +131,39 @@ async def test_ack_timeout_names_the_peer_and_the_object() -> None:
         assert a.backend("shm").stats().exports == 0
 
 
+async def test_a_receipt_failed_by_timeout_settles_when_the_late_ack_comes() -> None:
+    """The timeout says what it knows (the object may still arrive); the late ACK
+    settles the receipt as delivered, and a late NACK as refused."""
+    routes = {"b": "shm"}
+    async with pair(zero_copy=True, sender={"routes": routes, "ack_timeout": 0.5}) as (a, b):
+        receipt = await a.send("b", {"x": torch.ones(8)}, request_id="late")
+        assert receipt.outcome == "pending"
+        d = await b.receive()  # zero-copy: not released, so not acknowledged yet
+        with pytest.raises(AckTimeoutError, match="may still be delivered"):
+            await receipt.wait(5)
+        assert receipt.outcome == "unknown"
+        d.release()  # the ACK goes now, after the timeout
+        with anyio.fail_after(5):
+            assert await receipt.settled() == "delivered"
+        assert receipt.outcome == "delivered"
+        with pytest.raises(AckTimeoutError):  # what wait() said stays said
+            await receipt.wait(1)
+        # an aborted object's receipt fails at once; the receiver's NACK settles it
+        receipt = await a.send("b", {"x": torch.ones(8)}, request_id="gone")
+        await a.abort("gone")
+        with pytest.raises(RequestAbortedError):
+            await receipt.wait(5)
+        with anyio.fail_after(5):
+            assert await receipt.settled() in ("refused", "delivered")
+        ok = await a.send("b", {"x": torch.ones(8)}, request_id="ok")
+        with anyio.fail_after(5):
+            while (d := await b.receive()).request_id != "ok":
+                d.release()
+        d.release()
+        await ok.wait(5)
+        assert ok.outcome == "delivered" and await ok.settled() == "delivered"
+
+
 async def test_abort_releases_buffers_on_both_sides() -> None:
     routes = {"b": "shm"}
     async with pair(zero_copy=True, sender={"routes": routes}) as (a, b):

@@ -4,11 +4,13 @@ zero-copy delivery — with the real engine, and through the engine seam with a 
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import secrets
 import subprocess
 import sys
+import weakref
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -20,6 +22,7 @@ import torch
 
 from omniwire import packing
 from omniwire.backends.base import BackendContext, Export, Locality, PeerInfo
+from omniwire.backends.support import TransferAbandonedError
 from omniwire.endpoint import Endpoint
 from omniwire.errors import BackendClosedError, BackendError
 from omniwire.rawbench import pattern
@@ -449,6 +452,60 @@ async def test_an_abandoned_read_quarantines_its_landing_slot() -> None:
         assert detail["pool_quarantined"] == 1 and detail["pool_bytes_in_use"] == 4096
         assert b.stats().idle  # the handle is gone; the memory stays out of use
     assert engine.registered == {}  # both pools and every buffer unregistered
+
+
+async def _fetch_until_the_peer_is_lost(b: Any, imp: Any, peer_a: PeerInfo, **kw: Any) -> None:
+    """Start a read that never completes, then lose its peer (a link gone down)."""
+    failure: list[BaseException] = []
+
+    async def fetch() -> None:
+        try:
+            await imp.fetch(0, 4096, **kw)
+        except BackendError as exc:
+            failure.append(exc)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(fetch)
+        await anyio.sleep(0.2)  # the read is submitted and polled
+        await b.disconnect(peer_a)
+    assert failure and isinstance(failure[0], TransferAbandonedError), failure
+    assert "was cancelled" in str(failure[0])
+
+
+@pytest.mark.asyncio
+async def test_a_read_abandoned_on_peer_loss_quarantines_its_landing_slot() -> None:
+    """The read may still land once the link is back: its slot must not be reused
+    (it was, and the next object was delivered with the lost one's bytes in it)."""
+    engine = StuckEngine()
+    async with _pair(engine, register_dest=False) as (a, b, peer_a, peer_b):
+        out = await _send(a, peer_b, torch.ones(4096, dtype=torch.uint8))
+        imp = await b.import_(peer_a, out.ref, 4096)
+        await _fetch_until_the_peer_is_lost(b, imp, peer_a)
+        imp.close()
+        out.release()
+        detail = b.stats().detail
+        assert detail["pool_quarantined"] == 1 and detail["pool_bytes_in_use"] == 4096
+
+
+@pytest.mark.asyncio
+async def test_a_read_abandoned_on_peer_loss_keeps_the_callers_dest() -> None:
+    """With ``register_dest`` the read targets the caller's memory: the backend keeps
+    it referenced (a receive-pool block is reused only once no tensor holds it) and
+    registered until aclose."""
+    engine = StuckEngine()
+    async with _pair(engine, register_dest=True) as (a, b, peer_a, peer_b):
+        out = await _send(a, peer_b, torch.ones(4096, dtype=torch.uint8))
+        imp = await b.import_(peer_a, out.ref, 4096)
+        dest = torch.zeros(4096, dtype=torch.uint8)
+        addr, kept = dest.data_ptr(), weakref.ref(dest)
+        await _fetch_until_the_peer_is_lost(b, imp, peer_a, dest=dest)
+        imp.close()
+        out.release()
+        del dest
+        gc.collect()
+        assert kept() is not None  # still referenced: its memory is not reused
+        assert addr in engine.registered  # and still registered
+    assert kept() is None and engine.registered == {}  # aclose let it go
 
 
 # -- through endpoints, zero-copy on both ends, two processes ---------------------------

@@ -296,6 +296,21 @@ def test_hello_outcomes_and_restart_returns_old_objects() -> None:
     assert s.outbound == {}
 
 
+def test_a_higher_epoch_from_the_same_instance_ends_the_session() -> None:
+    """The peer declared us lost (we did not notice) and says Hello again: its epoch
+    went up, so what was in flight with it is gone (spec §10.6)."""
+    s = _session()
+    assert s.on_hello(_hello())[0] is wire.HelloOutcome.NEW
+    s.announce(wire.OutboundObject(1, "r", 10, 10))
+    assert s.on_hello(_hello(epoch=0))[0] is wire.HelloOutcome.DUPLICATE  # a reconnect
+    outcome, lost_out, _ = s.on_hello(_hello(epoch=1))
+    assert outcome is wire.HelloOutcome.RESTART
+    assert [o.object_id for o in lost_out] == [1] and s.outbound == {}
+    assert s.on_hello(_hello(epoch=1))[0] is wire.HelloOutcome.DUPLICATE  # settled
+    s.reset()  # we declared it lost ourselves: its next Hello starts anew
+    assert s.on_hello(_hello(epoch=2))[0] is wire.HelloOutcome.NEW
+
+
 def test_hello_with_no_common_major_is_refused() -> None:
     with pytest.raises(RemoteProtocolError, match=r"speaks wire 2\.0"):
         _session().on_hello(_hello(wire_min=(2, 0), wire_max=(3, 0)))

@@ -2,6 +2,13 @@
 
     python examples/pipeline/run.py [--requests 8] [--json]
 
+Across hosts (``scripts/cluster.py`` makes namespace hosts to try it on one
+machine): ``--bind STAGE=tcp://IP:0`` gives a stage a TCP address,
+``--launch STAGE='nsenter ...'`` a command prefix that starts it elsewhere,
+``--prefer BACKEND`` a preference-order policy at every stage, and
+``--expect PEER=BACKEND`` the backend the hidden-state fan-out must take to PEER
+(shm by default).
+
 This process is the encoder; it starts the talker and the thinker as child
 processes (``stages.py``), sends every request at once — each served by its own
 task at every stage, with no dispatcher — aborts one of them midway, and checks
@@ -27,6 +34,7 @@ import argparse
 import json
 import os
 import secrets
+import shlex
 import signal
 import subprocess
 import sys
@@ -43,17 +51,25 @@ sys.path.insert(0, str(HERE))
 from stages import audio_of, features_of, hidden_of, tokens_of  # noqa: E402
 
 from omniwire import Endpoint  # noqa: E402
+from omniwire.routing import PreferenceOrderPolicy  # noqa: E402
 
 TOKENS = 4
+#: Where and how each stage runs (set from the command line by main).
+BIND: dict[str, str] = {}
+LAUNCH: dict[str, list[str]] = {}
+PREFER: list[str] = []
 
 
 def address(name: str) -> str:
+    if name in BIND:
+        return BIND[name]
     base = os.path.join(tempfile.gettempdir(), f"omniwire-pipeline-{os.getuid()}")
     return f"ipc://{base}/{name}-{secrets.token_hex(3)}"
 
 
 def start(stage: str, *peers: str) -> tuple[subprocess.Popen[str], str]:
-    args = [sys.executable, str(HERE / "stages.py"), stage, "--address", address(stage)]
+    args = [*LAUNCH.get(stage, []), sys.executable, str(HERE / "stages.py"), stage]
+    args += ["--address", address(stage), *(["--prefer", PREFER[0]] if PREFER else [])]
     for peer in peers:
         args += ["--peer", peer]
     child = subprocess.Popen(args, stdout=subprocess.PIPE, text=True)
@@ -105,8 +121,13 @@ async def request(ep: Endpoint, rid: str, abort: bool) -> dict[str, Any]:
 
 async def encoder(n: int, thinker_address: str) -> list[dict[str, Any]]:
     results: list[dict[str, Any]] = []
+    policy = PreferenceOrderPolicy(PREFER) if PREFER else None
     async with Endpoint(
-        "encoder", address=address("encoder"), peers={"thinker": thinker_address}
+        "encoder",
+        address=address("encoder"),
+        peers={"thinker": thinker_address},
+        policy=policy,
+        backends=["local", "shm", *PREFER] if PREFER else None,
     ) as ep:
         await ep.wait_peer("thinker", 30)
 
@@ -121,7 +142,11 @@ async def encoder(n: int, thinker_address: str) -> list[dict[str, Any]]:
 
 
 def check(
-    n: int, results: list[dict[str, Any]], thinker: dict[str, Any], talker: dict[str, Any]
+    n: int,
+    results: list[dict[str, Any]],
+    thinker: dict[str, Any],
+    talker: dict[str, Any],
+    expect: dict[str, str] | None = None,
 ) -> list[str]:
     problems = []
     aborted = "req-1"
@@ -152,7 +177,8 @@ def check(
         if report.get("shm"):
             problems.append(f"{stage} still holds {report['shm']} shm export(s)")
     fanouts = thinker.get("fanouts", [])
-    if len(fanouts) != n - 1 or any(f != [["talker", "shm"], ["encoder", "shm"]] for f in fanouts):
+    routes = [[peer, (expect or {}).get(peer, "shm")] for peer in ("talker", "encoder")]
+    if len(fanouts) != n - 1 or any(f != routes for f in fanouts):
         problems.append(f"thinker fan-outs: {fanouts}")
     if thinker.get("counters", {}).get("aborts_forwarded") != 1:
         problems.append(f"the thinker did not forward the abort once: {thinker.get('counters')}")
@@ -178,9 +204,17 @@ def main() -> int:
     p = argparse.ArgumentParser(prog="run.py", description=__doc__.splitlines()[0])
     p.add_argument("--requests", type=int, default=8)
     p.add_argument("--json", action="store_true", help="print the results as one JSON line")
+    p.add_argument("--bind", action="append", default=[], help="STAGE=ADDRESS")
+    p.add_argument("--launch", action="append", default=[], help="STAGE=COMMAND PREFIX")
+    p.add_argument("--prefer", default=None, help="a backend every stage prefers")
+    p.add_argument("--expect", action="append", default=[], help="PEER=BACKEND of the fan-out")
     args = p.parse_args()
+    BIND.update(b.split("=", 1) for b in args.bind)
+    LAUNCH.update((k, shlex.split(v)) for k, v in (x.split("=", 1) for x in args.launch))
+    PREFER[:] = [args.prefer] if args.prefer else []
+    expect = dict(e.split("=", 1) for e in args.expect)
     results, thinker, talker = anyio.run(main_async, args.requests)
-    problems = check(args.requests, results, thinker, talker)
+    problems = check(args.requests, results, thinker, talker, expect)
     if args.json:
         print(
             json.dumps(
@@ -196,7 +230,8 @@ def main() -> int:
             )
         print(
             f"thinker: served {len(thinker['served'])}, aborted {thinker['aborted']}, "
-            f"{len(thinker['fanouts'])} hidden-state fan-outs to talker+encoder over shm"
+            f"{len(thinker['fanouts'])} hidden-state fan-outs to talker+encoder "
+            f"({thinker['fanouts'][0] if thinker['fanouts'] else '-'})"
         )
         print(
             f"talker:  served {len(talker['served'])}, aborted {talker['aborted']} (forwarded by the thinker)"

@@ -23,6 +23,7 @@ import torch
 
 from omniwire import Endpoint, RequestAbortedError
 from omniwire.endpoint import DeliveryStream
+from omniwire.routing import PreferenceOrderPolicy
 
 FEATURES = (64, 256)  # encoder output per request: 64 KiB of float32
 HIDDEN = (256, 256)  # thinker hidden states: 256 KiB, fanned out over shared memory
@@ -147,7 +148,12 @@ async def run_stage(args: argparse.Namespace) -> int:
     report: dict[str, Any] = {"stage": args.stage, "served": [], "aborted": [], "errors": []}
     report["fanouts"] = []
     stage = {"talker": talker, "thinker": thinker}[args.stage]
-    async with Endpoint(args.stage, address=args.address, peers=peers) as ep:
+    # --prefer: that engine (started even where it is opt-in, as nccl is) and shm
+    policy = PreferenceOrderPolicy([args.prefer]) if args.prefer else None
+    backends = ["local", "shm", args.prefer] if args.prefer else None
+    async with Endpoint(
+        args.stage, address=args.address, peers=peers, policy=policy, backends=backends
+    ) as ep:
         print(f"READY {ep.address}", flush=True)
         with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
             async with anyio.create_task_group() as tg:
@@ -166,6 +172,7 @@ def main() -> int:
     p.add_argument("stage", choices=["talker", "thinker"])
     p.add_argument("--address", required=True)
     p.add_argument("--peer", action="append", default=[], help="NAME=ADDRESS")
+    p.add_argument("--prefer", default=None, help="a backend to prefer (another host: an engine)")
     return anyio.run(run_stage, p.parse_args())
 
 

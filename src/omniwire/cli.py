@@ -46,6 +46,8 @@ def _demo(args: argparse.Namespace) -> int:
         argv += ["--backend", args.backend]
     if args.verbose:
         argv.append("--verbose")
+    if args.hosts:
+        argv += ["--hosts", args.hosts, "--far-launch", args.far_launch]
     return demo.main(argv)
 
 
@@ -74,6 +76,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument(
         "--backend", choices=["mooncake", "nixl", "nccl"], help="cross-host engine (with --remote)"
+    )
+    p.add_argument(
+        "--hosts",
+        metavar="THIS_IP,FAR_IP",
+        help="with --remote: the far stage on another host (started with --far-launch), "
+        "told apart by host detection (scripts/cluster.py --demo tries it in namespaces)",
+    )
+    p.add_argument(
+        "--far-launch", default="", metavar="PREFIX", help="the command that runs far elsewhere"
     )
     p.set_defaults(func=_demo)
     p = sub.add_parser("backends", help="list every registered backend, available or why not")

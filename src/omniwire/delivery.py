@@ -12,9 +12,11 @@ import anyio
 
 from .errors import OmniwireError
 
-__all__ = ["Delivery", "DeliveryKind", "SendReceipt"]
+__all__ = ["Delivery", "DeliveryKind", "Outcome", "SendReceipt"]
 
 DeliveryKind = Literal["payload", "stream_chunk", "stream_end", "error", "aborted"]
+#: What a sender knows of an object's fate (see :class:`SendReceipt`).
+Outcome = Literal["pending", "delivered", "sent", "refused", "not sent", "unknown"]
 
 
 class _Replier(Protocol):
@@ -169,9 +171,20 @@ class SendReceipt:
     ``PeerLostError``, ``RequestAbortedError``, or ``BackendError`` carrying the
     receiver's error).
 
+    A failure does not always mean the object was not delivered: after an ACK
+    timeout, an abort or the loss of the peer the receiver may have taken it all
+    the same. :attr:`outcome` says what is known, and :meth:`settled` waits until
+    this side knows all it will: ``"pending"`` (not done), ``"delivered"`` (the
+    receiver acknowledged it, also after the receipt failed), ``"sent"`` (data that
+    needs no ACK, handed to the control plane), ``"refused"`` (the receiver NACKed
+    it: not delivered), ``"not sent"`` (it never left this endpoint), ``"unknown"``
+    (it may or may not have been delivered: the peer went before its ACK or NACK
+    came, or it has not come yet).
+
     Attributes: ``peer``, ``request_id``, ``object_id`` (None for data that needs
     no ACK: inline chunks), ``backend``, ``nbytes`` (tensor bytes), ``started`` /
-    ``finished`` (``time.monotonic()``), ``error`` (once done), :attr:`latency`.
+    ``finished`` (``time.monotonic()``), ``error`` (once done), :attr:`latency`,
+    :attr:`outcome`.
     """
 
     def __init__(
@@ -189,6 +202,9 @@ class SendReceipt:
         self._event: anyio.Event | None = None  # made by the first wait on a pending receipt
         self.observed = False
         self._callbacks: list[Callable[[SendReceipt], None]] | None = None
+        self.outcome: Outcome = "pending"
+        self._final = False  # the outcome will not change
+        self._settled: anyio.Event | None = None  # made by the first settled() that waits
 
     def __repr__(self) -> str:
         obj = "" if self.object_id is None else f" object={self.object_id}"
@@ -221,6 +237,7 @@ class SendReceipt:
         """A receipt for data that needs no ACK (inline chunks, stream ends)."""
         receipt = cls(peer, request_id, None, backend, nbytes)
         receipt.resolve()
+        receipt.settle("sent")
         return receipt
 
     def done(self) -> bool:
@@ -237,12 +254,38 @@ class SendReceipt:
         self._done = True
         self.error = error
         self.finished = time.monotonic()
+        if not self._final:
+            self.outcome = "delivered" if error is None else "unknown"
         if self._event is not None:
             self._event.set()
         callbacks, self._callbacks = self._callbacks, None
         if callbacks is not None:
             for fn in callbacks:
                 fn(self)
+
+    def settle(self, outcome: Outcome) -> None:
+        """The object is over on this side (its buffer released): ``outcome`` is final.
+        Resolves the receipt too, if nothing did yet (with no error only when
+        ``outcome`` is ``"delivered"`` or ``"sent"``)."""
+        if self._final:
+            return
+        if not self._done and outcome not in ("delivered", "sent"):
+            raise ValueError(f"settle({outcome!r}) of a receipt that was not resolved")
+        self.resolve()
+        self._final = True
+        self.outcome = outcome
+        if self._settled is not None:
+            self._settled.set()
+
+    async def settled(self, timeout: float | None = None) -> Outcome:
+        """Wait until the outcome is final (the ACK or NACK came, or the peer is gone)
+        and return it. Raises TimeoutError after ``timeout``."""
+        if not self._final:
+            if self._settled is None:
+                self._settled = anyio.Event()
+            with anyio.fail_after(timeout):
+                await self._settled.wait()
+        return self.outcome
 
     async def wait(self, timeout: float | None = None) -> None:
         """Wait for the ACK. Raises the failure, or TimeoutError after ``timeout``."""

@@ -20,9 +20,11 @@ from __future__ import annotations
 import argparse
 import os
 import secrets
+import shlex
 import subprocess
 import sys
 import tempfile
+from collections.abc import Sequence
 from typing import IO, Any
 
 import anyio
@@ -129,23 +131,43 @@ async def run(
     backend: str | None = None,
     explain: bool = False,
     verbose: bool = False,
+    hosts: tuple[str, str] | None = None,
+    far_launch: Sequence[str] = (),
 ) -> int:
-    """Run the demo pipeline; returns the process exit code."""
+    """Run the demo pipeline; returns the process exit code.
+
+    ``hosts`` (with ``remote``): the IP addresses of this host and of the far one,
+    whose stage ``far_launch`` (a command prefix: ``ssh host``, ``nsenter ...``)
+    starts there; the hosts then tell each other apart by detection alone.
+    Default: both on 127.0.0.1, the far one with a host identity of its own.
+    """
     with tempfile.TemporaryFile("w+") as far_log:
-        return await _run(remote, backend, explain, None if verbose else far_log)
+        log = None if verbose else far_log
+        return await _run(remote, backend, explain, log, hosts, list(far_launch))
 
 
-async def _run(remote: bool, backend: str | None, explain: bool, far_log: IO[str] | None) -> int:
+async def _run(
+    remote: bool,
+    backend: str | None,
+    explain: bool,
+    far_log: IO[str] | None,
+    hosts: tuple[str, str] | None = None,
+    far_launch: list[str] | None = None,
+) -> int:
     tmp = os.path.join(tempfile.gettempdir(), f"omniwire-demo-{os.getuid()}")
     tag = secrets.token_hex(3)
     hidden, chunks = _inputs()
     if remote:
-        # Both "hosts" run on this machine over 127.0.0.1: keep UCX (nixl) on loopback.
-        os.environ.setdefault("UCX_NET_DEVICES", "lo")
         cross = backend or "mooncake"
-        src_address, far_address = "tcp://127.0.0.1:0", "tcp://127.0.0.1:0"
         src_backends = ["local", "shm", cross]
-        far_args = ["--host-id", REMOTE_HOST_ID, "--backends", ",".join(src_backends)]
+        far_args = ["--backends", ",".join(src_backends)]
+        if hosts is None:
+            # Both "hosts" run on this machine over 127.0.0.1: keep UCX (nixl) on loopback.
+            os.environ.setdefault("UCX_NET_DEVICES", "lo")
+            src_address, far_address = "tcp://127.0.0.1:0", "tcp://127.0.0.1:0"
+            far_args += ["--host-id", REMOTE_HOST_ID]
+        else:
+            src_address, far_address = (f"tcp://{ip}:0" for ip in hosts)
         routes = {"far": cross} if backend else None
         if backend:
             far_args += ["--route", backend]
@@ -156,7 +178,9 @@ async def _run(remote: bool, backend: str | None, explain: bool, far_log: IO[str
         far_address = f"ipc://{tmp}/far-{tag}"
         src_backends, far_args, routes = None, [], None
     far_args += ["--rounds", str(ROUNDS + 1)]
-    far, ready = await anyio.to_thread.run_sync(_start_far, far_address, far_args, far_log)
+    far, ready = await anyio.to_thread.run_sync(
+        _start_far, far_address, far_args, far_log, far_launch or []
+    )
     if not ready.startswith("READY "):
         print(f"omniwire demo: the far stage did not start (exit {far.wait()})", file=sys.stderr)
         _show(far_log)
@@ -232,11 +256,12 @@ async def _one_round(
 
 
 def _start_far(
-    address: str, extra: list[str], log: IO[str] | None
+    address: str, extra: list[str], log: IO[str] | None, launch: list[str]
 ) -> tuple[subprocess.Popen[str], str]:
-    """The far stage, its stderr (engine chatter included) into ``log`` if given."""
+    """The far stage (``launch`` prefixed), its stderr (engine chatter included) into
+    ``log`` if given."""
     far = subprocess.Popen(
-        [sys.executable, "-m", "omniwire.demo", "--far", "--address", address, *extra],
+        [*launch, sys.executable, "-m", "omniwire.demo", "--far", "--address", address, *extra],
         stdout=subprocess.PIPE,
         stderr=log,
         text=True,
@@ -286,7 +311,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--remote", action="store_true")
     p.add_argument("--backend", choices=["mooncake", "nixl", "nccl"])
     p.add_argument("--explain", action="store_true")
+    p.add_argument("--hosts", help="with --remote: THIS_IP,FAR_IP (no host-id override)")
+    p.add_argument("--far-launch", default="", help="with --hosts: a command prefix for far")
     args = p.parse_args(argv)
+    hosts = None
+    if args.hosts:
+        this_ip, sep, far_ip = args.hosts.partition(",")
+        if not (args.remote and sep and this_ip and far_ip):
+            p.error("--hosts THIS_IP,FAR_IP goes with --remote")
+        hosts = (this_ip, far_ip)
     if args.far:
         return anyio.run(_far_stage, args)
     try:
@@ -296,6 +329,8 @@ def main(argv: list[str] | None = None) -> int:
                 backend=args.backend,
                 explain=args.explain,
                 verbose=args.verbose,
+                hosts=hosts,
+                far_launch=shlex.split(args.far_launch),
             )
         )
     except OmniwireError as exc:

@@ -17,6 +17,7 @@ __all__ = [
     "BadReferenceError",
     "BufferReleasedError",
     "ConfigurationError",
+    "DigestMismatchError",
     "DrainTimeoutError",
     "EndpointClosedError",
     "EndpointNotStartedError",
@@ -86,6 +87,11 @@ class LocalProtocolError(ProtocolError):
 
 class BackendError(OmniwireError):
     """A data-plane backend failed to move bytes (engine error, bad reference)."""
+
+
+class DigestMismatchError(BackendError):
+    """The bytes read for an object do not match the digest its sender computed
+    (``Endpoint(digest=True)``): corrupted on the way (NACK reason ``digest_mismatch``)."""
 
 
 class BadReferenceError(BackendError):

@@ -62,6 +62,7 @@ def _parser(prog: str = "python -m omniwire.peer") -> argparse.ArgumentParser:
     p.add_argument("--receive-buffer", type=int, default=64)
     p.add_argument("--allow-pickle", action="store_true")
     p.add_argument("--auth-key", default=None)
+    p.add_argument("--digest", action="store_true", help="send object digests (spec §7.7)")
     return p
 
 
@@ -163,6 +164,7 @@ async def run(args: argparse.Namespace) -> int:
         receive_buffer=args.receive_buffer,
         allow_pickle=args.allow_pickle,
         auth_key=args.auth_key,
+        digest=args.digest,
     )
     handled = 0
     async with ep:

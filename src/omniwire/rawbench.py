@@ -23,17 +23,41 @@ import abc
 import argparse
 import json
 import os
+import shlex
 import statistics
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
 from .errors import BackendError
 
-__all__ = ["ENGINES", "Session", "measure", "open_session", "pattern"]
+__all__ = ["ENGINES", "Placement", "Session", "measure", "open_session", "pattern", "placement"]
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where the other process of a bench pair runs: on this machine over 127.0.0.1
+    (the default), or on another host (``omniwire bench --namespaces``): this
+    host's address, the other's, and the command prefix that starts a process there.
+    Read from ``OMNIWIRE_BENCH_HOSTS=THIS_IP,OTHER_IP`` and
+    ``OMNIWIRE_BENCH_PEER_LAUNCH`` (a shell-quoted prefix), which that mode sets."""
+
+    here: str = "127.0.0.1"
+    there: str = "127.0.0.1"
+    launch: tuple[str, ...] = ()
+
+
+def placement() -> Placement:
+    hosts = os.environ.get("OMNIWIRE_BENCH_HOSTS", "")
+    if not hosts:
+        return Placement()
+    here, _, there = hosts.partition(",")
+    launch = tuple(shlex.split(os.environ.get("OMNIWIRE_BENCH_PEER_LAUNCH", "")))
+    return Placement(here, there or here, launch)
 
 
 def pattern(n: int) -> torch.Tensor:
@@ -46,7 +70,7 @@ class _Child:
 
     def __init__(self, *args: str) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "omniwire.rawbench", *args],
+            [*placement().launch, sys.executable, "-m", "omniwire.rawbench", *args],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
@@ -130,13 +154,15 @@ class Session(abc.ABC):
 
 
 class _MooncakeSession(Session):
-    def __init__(self, max_size: int, host: str = "127.0.0.1", protocol: str = "tcp") -> None:
+    def __init__(self, max_size: int, protocol: str = "tcp") -> None:
         from .backends.mooncake._engine import read, shared_engine
         from .backends.mooncake._memory import Registered
 
         super().__init__(max_size)
         self._read = read
-        self.child = _Child("serve-mooncake", "--size", str(max_size), "--host", host,
+        where = placement()
+        host = where.here
+        self.child = _Child("serve-mooncake", "--size", str(max_size), "--host", where.there,
                             "--protocol", protocol)  # fmt: skip
         try:
             _, self.session, remote = self.child.line().split()
@@ -255,10 +281,12 @@ class _GlooSession(Session):
 
         super().__init__(max_size)
         dist = TorchDistributed()
-        store, port = dist.host_store("127.0.0.1", 60.0)
-        self.child = _Child("gloo-peer", "--port", str(port))
+        where = placement()
+        store, port = dist.host_store(where.here, 60.0)
+        self.child = _Child("gloo-peer", "--port", str(port), "--store", where.here,
+                            "--host", where.there)  # fmt: skip
         try:
-            self.pg = dist.gloo_group(dist.prefix_store("raw", store), 0, 60.0, "127.0.0.1")
+            self.pg = dist.gloo_group(dist.prefix_store("raw", store), 0, 60.0, where.here)
         except BaseException:
             self.child.finish()
             raise
@@ -294,12 +322,12 @@ class _GlooSession(Session):
             self.child.finish(60)
 
 
-def _gloo_peer(port: int) -> None:
+def _gloo_peer(port: int, store_host: str, host: str) -> None:
     from .backends.nccl._engine import TorchDistributed
 
     dist = TorchDistributed()
-    store = dist.client_store("127.0.0.1", port, 60.0)
-    pg = dist.gloo_group(dist.prefix_store("raw", store), 1, 60.0, "127.0.0.1")
+    store = dist.client_store(store_host, port, 60.0)
+    pg = dist.gloo_group(dist.prefix_store("raw", store), 1, 60.0, host)
     flag = torch.ones(1, dtype=torch.uint8)
     header = torch.zeros(2, dtype=torch.int64)  # size (0: stop), whether to check
     buffers: dict[int, torch.Tensor] = {}
@@ -380,13 +408,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     serve_nixl.add_argument("--size", type=int, required=True)
     peer = sub.add_parser("gloo-peer", help=argparse.SUPPRESS)
     peer.add_argument("--port", type=int, required=True)
+    peer.add_argument("--store", default="127.0.0.1")
+    peer.add_argument("--host", default="127.0.0.1")
     args = p.parse_args(argv)
     if args.command == "serve-mooncake":
         _serve_mooncake(args.size, args.host, args.protocol)
     elif args.command == "serve-nixl":
         _serve_nixl(args.size)
     elif args.command == "gloo-peer":
-        _gloo_peer(args.port)
+        _gloo_peer(args.port, args.store, args.host)
     else:
         sizes = [_parse_size(s) for s in args.sizes.split(",") if s]
         figures = measure(args.engine, sizes, args.iters)

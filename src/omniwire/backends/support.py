@@ -32,6 +32,7 @@ __all__ = [
     "LentPiece",
     "RegistrationCache",
     "Releaser",
+    "TransferAbandonedError",
     "TransferTimeoutError",
     "byte_view",
     "check_pieces",
@@ -59,6 +60,13 @@ POLL_MAX_S = 500e-6
 class TransferTimeoutError(BackendError, TimeoutError):
     """An engine transfer did not complete in time (it may still land later: keep its
     memory out of reuse). What :func:`poll_until` raises on a timeout."""
+
+
+class TransferAbandonedError(BackendError):
+    """An engine transfer was given up before the engine said it ended (the peer was
+    lost, the backend closed): like a timeout, it may still land later (a link that
+    comes back), so keep its memory out of reuse. What :func:`poll_until` raises
+    when ``cancelled()`` turns true."""
 
 
 def mib(n: int) -> str:
@@ -201,14 +209,14 @@ def poll_until(
 
     Raises:
         TransferTimeoutError: not done within ``timeout`` seconds.
-        BackendError: ``cancelled()`` turned true.
+        TransferAbandonedError: ``cancelled()`` turned true.
         Whatever ``done()`` raises (the engine's failure).
     """
     started = time.monotonic()
     while not done():
         elapsed = time.monotonic() - started
         if cancelled is not None and cancelled():
-            raise BackendError(f"{what} was cancelled (peer lost or backend closed)")
+            raise TransferAbandonedError(f"{what} was cancelled (peer lost or backend closed)")
         if elapsed > timeout:
             raise TransferTimeoutError(f"{what} did not finish within {timeout:g} s")
         if not spin:

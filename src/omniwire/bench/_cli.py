@@ -355,6 +355,14 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="skip the shm case of a large object behind a held 1 KiB one",
     )
+    p.add_argument(
+        "--namespaces",
+        action="store_true",
+        help="(root) the table's cross-host engines between two namespace hosts "
+        "(omniwire.testing.cluster): this process on one, the peers and the bare "
+        "engines' other ends on the other; --rate caps the link",
+    )
+    p.add_argument("--rate", default="40gbit", help="with --namespaces: tbf cap per host")
     p.add_argument("--json", metavar="FILE", help="write every figure and ratio as JSON")
     p.add_argument("--plot", metavar="FILE.png", help="write a chart (needs matplotlib)")
     return p
@@ -429,6 +437,50 @@ def _clean(value: Any) -> Any:
     return value
 
 
+def _in_namespaces(
+    args: argparse.Namespace, args_list: list[str], p: argparse.ArgumentParser
+) -> int:
+    """Run this bench again inside host a of a two-host namespace cluster, its peers
+    (and the bare engines' other ends) in host b: only the table, cross-host engines."""
+    import shlex
+    import subprocess
+
+    from ..testing.cluster import Cluster, ClusterUnavailableError
+
+    backends = args.backends.split(",") if args.backends else list(_table.CROSS_HOST)
+    if not set(backends) <= set(_table.CROSS_HOST):
+        p.error(f"--namespaces runs cross-host engines only ({', '.join(_table.CROSS_HOST)})")
+    rest, skip = [], False
+    for arg in args_list:  # drop the options this wrapper handles
+        if skip:
+            skip = False
+        elif arg == "--namespaces":
+            continue
+        elif arg in ("--scenarios", "--backends", "--rate"):
+            skip = True
+        elif not arg.startswith(("--scenarios=", "--backends=", "--rate=")):
+            rest.append(arg)
+    try:
+        cluster = Cluster(["a", "b"], rate=args.rate)
+    except ClusterUnavailableError as exc:
+        print(f"omniwire bench --namespaces: {exc}", file=sys.stderr)
+        return 1
+    with cluster:
+        a, b = cluster["a"], cluster["b"]
+
+        def engines(h: Any) -> list[str]:  # UCX over TCP: its shm would cross namespaces
+            return [f"UCX_NET_DEVICES={h.ifname}", "UCX_TLS=tcp", f"GLOO_SOCKET_IFNAME={h.ifname}"]
+
+        env = {k: v for k, v in os.environ.items() if k != "OMNIWIRE_HOST_ID"}
+        env["OMNIWIRE_BENCH_HOSTS"] = f"{a.ip},{b.ip}"
+        env["OMNIWIRE_BENCH_PEER_LAUNCH"] = shlex.join(b.command(["env", *engines(b)]))
+        print(f"omniwire bench: namespace hosts {a} and {b}, tbf {args.rate}", flush=True)
+        argv = ["env", *engines(a), sys.executable, "-m", "omniwire.cli", "bench"]
+        argv += ["--scenarios", "table", "--backends", ",".join(backends), "--no-obstructed"]
+        done: subprocess.CompletedProcess[bytes] = a.run([*argv, *rest], timeout=3600, env=env)
+        return done.returncode
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the bench; returns 0, or 1 when something failed (reported, the rest ran)."""
     from ._plot import plot
@@ -441,6 +493,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = _parser()
     args_list = list(sys.argv[1:] if argv is None else argv)
     args = p.parse_args(args_list)
+    if args.namespaces:
+        return _in_namespaces(args, args_list, p)
     opts = _options(args, p)
     results = Results(
         command=["omniwire", "bench", *args_list],

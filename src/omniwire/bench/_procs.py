@@ -8,6 +8,8 @@ import subprocess
 import sys
 import tempfile
 
+from ..rawbench import placement
+
 __all__ = ["Burner", "Child", "bench_env", "cpu_seconds", "ipc_base", "omniwire_peer"]
 
 
@@ -62,7 +64,8 @@ class Child:
 
 def omniwire_peer(name: str, address: str, args: list[str]) -> Child:
     """``python -m omniwire.peer --mode bench``; its bound address is ``child.info``."""
-    argv = [sys.executable, "-m", "omniwire.peer", "--name", name, "--address", address]
+    argv = [*placement().launch, sys.executable, "-m", "omniwire.peer", "--name", name]
+    argv += ["--address", address]
     return Child([*argv, "--mode", "bench", *args], f"bench peer {name!r}")
 
 

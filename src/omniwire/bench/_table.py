@@ -179,7 +179,10 @@ async def _bench_backend(
     tag = secrets.token_hex(3)
     tcp = backend in CROSS_HOST or backend == "example_tcp"
     base = ipc_base(tag)
-    addresses = ("tcp://127.0.0.1:0",) * 2 if tcp else (f"{base}-a", f"{base}-b")
+    place = rawbench.placement()  # the peer on another host (--namespaces), or here
+    addresses = (
+        (f"tcp://{place.here}:0", f"tcp://{place.there}:0") if tcp else (f"{base}-a", f"{base}-b")
+    )
     biggest = max(sizes)
     options = {"shm": {"arena_size": max(64 * MiB, 2 * biggest + 8 * MiB)}}
     peer_name, me = f"bench-peer-{tag}", f"bench-{tag}"

@@ -60,6 +60,7 @@ class EndpointConfig:
     progressive_chunk: int
     max_peers: int
     control_ring: bool
+    digest: bool = False
 
     @classmethod
     def build(

@@ -38,6 +38,7 @@ def hello_of(
         ("pickle", core.config.allow_pickle),
         ("zero_copy", core.config.zero_copy),
         ("ring", core.config.control_ring),
+        ("digest", True),  # this endpoint checks DataRef.digest (spec §7.7)
     )
     return wire.HelloMessage(
         endpoint=core.name,
@@ -58,6 +59,7 @@ def hello_of(
         ring=peer.ring_reader.name if peer is not None and peer.ring_reader is not None else "",
         ring_attached=ring_attached,
         window=core.config.receive_window,
+        epoch=peer.epoch if peer is not None else 0,
     )
 
 

@@ -180,9 +180,12 @@ class PeerTable:
             refuse(self.core, hello, *refusal)
             return
         peer = self._peers.get(hello.endpoint) or self._new(hello.endpoint)
+        before = peer.hello
         outcome, lost_out, lost_in = peer.session.on_hello(hello)  # checked: cannot raise
         if outcome is wire.HelloOutcome.RESTART:
-            self._end(peer, lost_out, lost_in, PeerStatus.LOST, "it restarted", PeerLostError)
+            restarted = before is None or before.instance != hello.instance
+            reason = "it restarted" if restarted else "it had declared us lost (a partition)"
+            self._end(peer, lost_out, lost_in, PeerStatus.LOST, reason, PeerLostError)
         if outcome is not wire.HelloOutcome.DUPLICATE:
             peer.window = Window(hello.window)
             peer.rwindow = ReceiveWindow(self.core.config.receive_window)
@@ -339,6 +342,7 @@ class PeerTable:
         """Declare ``peer`` lost: release everything in flight with it."""
         if peer.status in (PeerStatus.LOST, PeerStatus.CLOSED):
             return
+        peer.epoch += 1  # our next Hello tells the peer, should it not have noticed
         out, inn = peer.session.reset()
         self._end(peer, out, inn, PeerStatus.LOST, reason, cls)
 

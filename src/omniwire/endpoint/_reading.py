@@ -6,7 +6,7 @@ module only knows how.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import anyio
@@ -14,7 +14,14 @@ import torch
 
 from .. import codec, packing, wire
 from ..backends.base import THREAD_COPY_THRESHOLD, BackendBase, ObjectBackend
-from ..errors import BackendError, BadReferenceError, OmniwireError, WireFormatError
+from ..digest import digest_of_async
+from ..errors import (
+    BackendError,
+    BadReferenceError,
+    DigestMismatchError,
+    OmniwireError,
+    WireFormatError,
+)
 from ..flow import FairBudget
 from ..recvpool import RecvPool
 from ._core import Core
@@ -34,6 +41,8 @@ def nack_of(exc: Exception) -> tuple[wire.NackReason, str] | None:
         return "malformed", str(exc)
     if isinstance(exc, Stalled):
         return "timeout", str(exc)
+    if isinstance(exc, DigestMismatchError):
+        return "digest_mismatch", str(exc)
     if isinstance(exc, (OmniwireError, TypeError, ValueError, RuntimeError, OSError)):
         return "backend_error", f"{type(exc).__name__}: {exc}"
     return None
@@ -68,6 +77,16 @@ class Share:
         if self.taken:
             self.taken = False
             self.budget.release(self.key, self.bytes)
+
+
+async def _check_digest(ref: wire.DataRef, tensors: Sequence[torch.Tensor]) -> None:
+    """Raise DigestMismatchError unless ``tensors`` hash to ``ref.digest`` (spec §7.7)."""
+    got = await digest_of_async(tensors)
+    if got is not None and got != ref.digest:
+        raise DigestMismatchError(
+            f"object {ref.object_id} ({ref.ref.length} bytes via {ref.backend}) was corrupted "
+            f"on the way: its tensor bytes hash to {got:#018x}, the sender's to {ref.digest:#018x}"
+        )
 
 
 class ObjectReader:
@@ -132,6 +151,8 @@ class ObjectReader:
                     )
                 source = torch.empty(0, dtype=torch.uint8)  # a payload with no tensor bytes
             tensors = packing.unpack(source, ref.tensors, copy=False)
+        if ref.digest is not None:
+            await _check_digest(ref, tensors)
         return codec.loads(ref.header, tensors, allow_pickle=self.core.config.allow_pickle)
 
     async def consume(self, peer: Peer, record: InRecord) -> None:

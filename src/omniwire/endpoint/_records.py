@@ -20,7 +20,7 @@ import torch
 
 from .. import wire
 from ..backends.base import Export, Import, Layout, PeerInfo
-from ..delivery import SendReceipt
+from ..delivery import Outcome, SendReceipt
 from ..errors import PeerRefusedError
 from ..flow import Credits, ReceiveWindow, Window
 from ..ring import RingReader, RingWriter
@@ -60,8 +60,10 @@ class OutRecord(wire.OutboundObject):
         read it until its ACK (ACK timeout, abort)."""
         self.receipt.resolve(error)
 
-    def release(self, error: BaseException | None) -> None:
-        """The object is over: free the export, return the credit, settle the receipt."""
+    def release(self, error: BaseException | None, outcome: Outcome = "unknown") -> None:
+        """The object is over: free the export, return the credit, settle the receipt
+        (``outcome`` when ``error`` is set: ``"refused"`` for a NACK, ``"not sent"``
+        before it was announced; ``"unknown"`` otherwise)."""
         if self.released:
             return
         self.released = True
@@ -80,6 +82,7 @@ class OutRecord(wire.OutboundObject):
                 self.stats.latencies.append(self.receipt.latency)
         else:
             self.receipt.resolve(error)
+        self.receipt.settle("delivered" if error is None else outcome)
 
 
 class SharedExport:
@@ -178,6 +181,9 @@ class Peer:
     changed: anyio.Event = field(default_factory=anyio.Event)
     #: Bumped at every new session, so records of an old one are told apart.
     generation: int = 0
+    #: How many times this endpoint declared the peer lost: sent in our Hellos, so a
+    #: peer that did not notice the loss ends its side of the session (spec §10.6).
+    epoch: int = 0
     push_open: bool = False  # our PUSH socket (and its monitor) exist
     connected: bool = False  # our PUSH completed a ZMTP handshake since it was opened
     hello_done: bool = False  # the current Hello was accepted and backends connected

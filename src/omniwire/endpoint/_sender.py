@@ -23,6 +23,7 @@ import torch
 from .. import codec, hostinfo, packing, wire
 from ..backends.base import ByteBackend, ObjectBackend
 from ..delivery import SendReceipt
+from ..digest import digest_of_async
 from ..errors import (
     AckTimeoutError,
     BackendError,
@@ -453,6 +454,10 @@ class Sender:
                 record.export = shared.share()
                 points = [nbytes]
             assert record.export is not None
+            digest = None
+            hello = peer.hello
+            if core.config.digest and record.export.layout != "object" and hello is not None:
+                digest = await digest_of_async(enc.tensors) if "digest" in hello.features else None
             ref = wire.DataRef(
                 object_id=record.object_id,
                 kind=kind,
@@ -462,6 +467,7 @@ class Sender:
                 header=enc.header if record.export.layout != "object" else b"",
                 tensors=layout.metas if record.export.layout != "object" else (),
                 ready=points[0] if points[0] < nbytes else None,
+                digest=digest,
             )
             msg = wire.DataReadyMessage(
                 request_id=request_id,
@@ -496,7 +502,7 @@ class Sender:
                         window.reopen(charge)  # never sent: the charge is ours again
         except BaseException as exc:
             if not posted:
-                record.release(_as_error(exc, peer))
+                record.release(_as_error(exc, peer), "not sent")
                 if kind == "stream_chunk":
                     _unaccount(peer, request_id, chunk_id)
             raise
@@ -562,7 +568,7 @@ class Sender:
                 f"{record.request_id!r} ({msg.reason or 'internal'}): {msg.error or ''}"
             )
             self.core.noisy.warning("nack", "%s: %s", self.core.name, error)
-        record.release(error)
+        record.release(error, "refused")
 
     def on_abort(self, request_id: str, error: RequestAbortedError) -> None:
         """Fail the receipts of the request; the buffers wait for the peers' NACKs."""
@@ -591,7 +597,8 @@ class Sender:
                         AckTimeoutError(
                             f"peer {peer.name!r} did not acknowledge object {record.object_id} "
                             f"(request {record.request_id!r}, {record.length} bytes via "
-                            f"{record.receipt.backend}) within {timeout:g} s"
+                            f"{record.receipt.backend}) within {timeout:g} s; it may still be "
+                            "delivered: receipt.settled() tells once its ACK or NACK comes"
                         )
                     )
                     self._missed(peer, "ACK")

@@ -104,6 +104,7 @@ class _Rule:
     times: int
     gate: MockGate | None = None
     error: BaseException | None = None
+    flip: int = -1
 
     def matches(self, call: MockCall) -> bool:
         return self.times != 0 and call.op == self.op and (self.when is None or self.when(call))
@@ -117,6 +118,7 @@ class MockHooks:
     def __init__(self) -> None:
         self.calls: list[MockCall] = []
         self._rules: list[_Rule] = []
+        self._flips: list[_Rule] = []
 
     def pause(
         self, op: Op, *, when: Callable[[MockCall], bool] | None = None, times: int = 1
@@ -137,6 +139,21 @@ class MockHooks:
         """Make the next matching call raise ``error`` (default: a BackendError naming
         it). ``release``/``close`` cannot fail (handles release idempotently)."""
         self._rules.append(_Rule(op, when, times, error=error))
+
+    def flip_bit(
+        self, at: int = 0, *, when: Callable[[MockCall], bool] | None = None, times: int = 1
+    ) -> None:
+        """Make the next matching ``fetch`` that covers byte ``at`` of its object
+        deliver that byte with its lowest bit flipped (a corrupting link); the
+        sender's memory is left as it is."""
+        self._flips.append(_Rule("fetch", when, times, flip=at))
+
+    def _flip_of(self, call: MockCall) -> int | None:
+        for rule in self._flips:
+            if rule.matches(call) and call.lo <= rule.flip < call.hi:
+                rule.times -= 1 if rule.times > 0 else 0
+                return rule.flip
+        return None
 
     def of(self, op: Op) -> list[MockCall]:
         """The recorded calls of one kind."""
@@ -222,8 +239,16 @@ class _MockImport(Import):
         if hi > obj.published:
             raise BackendError(f"mock: bytes [{obj.published}, {hi}) are not published")
         self.buffer = obj.buffer  # zero copy: a view of the sender's memory
+        flip = self.mock.hooks._flip_of(
+            MockCall("fetch", self.mock.ctx.endpoint, self.peer.name, self.key, self.nbytes, lo, hi)
+        )
+        if flip is not None and dest is None:  # corrupt a copy, not the sender's memory
+            self.buffer = obj.buffer.clone()
         if dest is not None:
             await copy_range(dest, obj.buffer, lo, hi)
+        if flip is not None:
+            target = dest if dest is not None else self.buffer
+            target[flip] ^= 1
 
     def _close(self) -> None:
         self.obj = None

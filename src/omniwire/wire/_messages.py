@@ -68,6 +68,7 @@ NackReason = Literal[
     "unsupported",  # the receiver does not run that backend or layout
     "misaddressed",  # to_stage is not the receiver
     "timeout",  # the sender made no progress on a progressive object
+    "digest_mismatch",  # the bytes read do not match DataRef.digest (feature "digest")
     "internal",  # a bug in the receiver
 ]
 NACK_REASONS: frozenset[str] = frozenset(NackReason.__args__)  # type: ignore[attr-defined]
@@ -200,6 +201,10 @@ class DataRef(_Base, frozen=True, kw_only=True):
     #: Bytes ``[0, ready)`` are valid now; the rest follow in DataProgressMessages.
     #: ``None`` means all ``ref.length`` bytes are valid.
     ready: int | None = None
+    #: 1.1, feature ``"digest"`` (spec §7.7): XXH3-64 of the tensor bytes, tensor by
+    #: tensor in table order; ``None``: no digest. A reader that does not know it
+    #: ignores it.
+    digest: int | None = None
 
     def __post_init__(self) -> None:
         if self.version != 1:
@@ -220,6 +225,10 @@ class DataRef(_Base, frozen=True, kw_only=True):
             )
         if self.ready is not None and not 0 <= self.ready <= self.ref.length:
             raise ValueError(f"DataRef.ready {self.ready} is outside [0, {self.ref.length}]")
+        if self.digest is not None:
+            _u64("DataRef.digest", self.digest)
+            if self.layout == "object":
+                raise ValueError("DataRef with layout 'object' carries no digest")
 
 
 class InlineStreamChunkRef(_Base, frozen=True, kw_only=True):
@@ -306,6 +315,9 @@ class HelloMessage(_Base, frozen=True, kw_only=True, tag="hello", tag_field="typ
     #: 1.1 (§7.6): the bytes of DataReady charge this sender lets the peer have
     #: outstanding before a WindowMessage reopens them; 0: it sends no WindowMessage.
     window: int = 0
+    #: 1.1: how many times this instance declared the addressee lost (spec §10.6). A
+    #: higher epoch than in the last Hello of an active session ends that session.
+    epoch: int = 0
 
     def __post_init__(self) -> None:
         _name("HelloMessage.endpoint", self.endpoint)
@@ -329,6 +341,7 @@ class HelloMessage(_Base, frozen=True, kw_only=True, tag="hello", tag_field="typ
         if len(self.backends) > 256:
             raise ValueError("HelloMessage.backends has more than 256 entries")
         _text("HelloMessage.to_endpoint", self.to_endpoint, MAX_NAME_BYTES, empty_ok=True)
+        _u64("HelloMessage.epoch", self.epoch)
         _text("HelloMessage.ring", self.ring, MAX_NAME_BYTES, empty_ok=True)
         _text("HelloMessage.ring_attached", self.ring_attached, MAX_NAME_BYTES, empty_ok=True)
         _u64("HelloMessage.window", self.window)

@@ -70,7 +70,7 @@ class PeerState(enum.Enum):
 class HelloOutcome(enum.Enum):
     NEW = "new"  # first Hello from this peer (or first after it closed)
     DUPLICATE = "duplicate"  # same instance again (e.g. a reconnect)
-    RESTART = "restart"  # a new instance of the peer: old objects are gone
+    RESTART = "restart"  # a new instance of the peer, or its higher epoch: old objects are gone
 
 
 @dataclass(eq=False)
@@ -209,8 +209,11 @@ class Session(Generic[O, I]):
         self.state = PeerState.ACTIVE
         if previous is None or was_closed:
             return HelloOutcome.NEW, [], []
-        if previous.instance == msg.instance and previous.process_token == msg.process_token:
+        same = previous.instance == msg.instance and previous.process_token == msg.process_token
+        if same and msg.epoch <= previous.epoch:
             return HelloOutcome.DUPLICATE, [], []
+        # a new instance, or the same one that gave our session up (it declared us
+        # lost while we did not notice, §10.6): either way its old objects are gone
         lost_out, lost_in = self._take_all()
         return HelloOutcome.RESTART, lost_out, lost_in
 

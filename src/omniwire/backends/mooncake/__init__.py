@@ -46,9 +46,11 @@ default: the host of the endpoint's address, 127.0.0.1 for ``ipc://`` and
 plus 1 s per 100 MB); ``engine`` (an :class:`Engine` object to use instead).
 
 Engine caveats (0.3.13): its handshake and data listeners bind every interface,
-whatever ``host`` is; a read that is abandoned (timeout) may still land later, so
-its local buffer is quarantined until ``aclose()`` (a registered ``dest`` cannot
-be: it belongs to the caller).
+whatever ``host`` is; a read that is abandoned (timeout, or the peer lost while
+it ran: a link that goes down and comes back) may still land later, so its local
+buffer is quarantined until ``aclose()``, and a registered ``dest`` is kept
+referenced (a receive-pool block is not reused while a tensor holds it) and
+registered until ``aclose()``.
 """
 
 from ._backend import MooncakeBackend

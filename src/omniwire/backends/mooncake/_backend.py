@@ -26,6 +26,7 @@ from ..support import (
     LentExport,
     RegistrationCache,
     Releaser,
+    TransferAbandonedError,
     TransferTimeoutError,
     check_range,
     lend,
@@ -106,7 +107,8 @@ class _Import(Import):
         try:
             if direct:
                 assert dest is not None
-                await self._read(engine, dest[lo:hi].data_ptr() - lo, lo, hi, register=True)
+                local = dest[lo:hi].data_ptr() - lo
+                await self._read(engine, local, lo, hi, register=True, dest=dest)
             else:
                 landing = self.landing
                 if landing is None:
@@ -117,7 +119,7 @@ class _Import(Import):
                 base = landing.buffer.addr if landing.buffer is not None else mc._pool_addr
                 try:
                     await self._read(engine, base + max(landing.offset, 0), lo, hi)
-                except TransferTimeoutError:
+                except (TransferTimeoutError, TransferAbandonedError):
                     self.landing = None  # never reused: the read may still land in it
                     landing.quarantine()
                     raise
@@ -132,9 +134,17 @@ class _Import(Import):
         mc.counters["bytes_read"] += hi - lo
 
     async def _read(
-        self, engine: Engine, local: int, lo: int, hi: int, *, register: bool = False
+        self,
+        engine: Engine,
+        local: int,
+        lo: int,
+        hi: int,
+        *,
+        register: bool = False,
+        dest: torch.Tensor | None = None,
     ) -> None:
-        """Read bytes ``[lo, hi)`` of the object to ``local + lo`` and onwards."""
+        """Read bytes ``[lo, hi)`` of the object to ``local + lo`` and onwards (into
+        ``dest``'s memory when ``register``: then an abandoned read keeps ``dest``)."""
         reads = []
         for at, remote, length in self.spans:
             a, b = max(lo, at), min(hi, at + length)
@@ -146,14 +156,28 @@ class _Import(Import):
         def run() -> None:
             if register:
                 engine.register(local + lo, hi - lo)
+            landed = False
             try:
                 read(engine, self.session, reads, timeout, lambda: peer.key not in self.mc._peers)
+                landed = True
+            except (TransferTimeoutError, TransferAbandonedError):
+                raise  # it may still land: the memory stays registered, see _abandoned
+            except BaseException:
+                landed = True  # the engine ended every read (failed): nothing will land
+                raise
             finally:
-                if register:
+                if register and landed:
                     engine.unregister(local + lo)
 
         try:
             await anyio.to_thread.run_sync(run)
+        except (TransferTimeoutError, TransferAbandonedError) as exc:
+            if register and dest is not None:
+                # the caller's memory: kept referenced (so not reused) and registered
+                self.mc._abandoned.append((dest, local + lo))
+            raise type(exc)(
+                f"{exc} (peer {peer.name!r}, bytes [{lo}, {hi}) of a {self.nbytes}-byte object)"
+            ) from None
         except BackendError as exc:
             raise type(exc)(
                 f"{exc} (peer {peer.name!r}, bytes [{lo}, {hi}) of a {self.nbytes}-byte object)"
@@ -219,6 +243,9 @@ class MooncakeBackend(ByteBackend):
         self._registrations: RegistrationCache[int] | None = None
         self._peers: dict[tuple[str, int], blobs.PiecesHello] = {}
         self._busy = 0
+        #: Callers' memory that abandoned reads (timeout, peer lost) may still write:
+        #: (the tensor, kept so it is not reused; its registered address) until aclose.
+        self._abandoned: list[tuple[torch.Tensor, int]] = []
         self._idle = anyio.Event()
         self._idle.set()
         self._closed = False
@@ -315,6 +342,8 @@ class MooncakeBackend(ByteBackend):
         if self._pool is not None:
             await self._pool.aclose()
         cached = self._registrations.clear() if self._registrations is not None else []
+        cached += [addr for _, addr in self._abandoned]
+        self._abandoned.clear()
         region, self._region = self._region, None
 
         def teardown() -> None:

@@ -1,0 +1,346 @@
+"""Many hosts on one machine: network namespaces as hosts (``omniwire.testing.cluster``).
+
+Every endpoint runs in a namespace host with its own network stack, address and
+/dev/shm; host identity comes from detection alone (no ``OMNIWIRE_HOST_ID``).
+The pipeline example runs across hosts over each cross-host engine, and with one
+stage pair sharing a host. Needs root: fails rather than skips under
+``OMNIWIRE_REQUIRE_ENGINES=1``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import queue
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from omniwire.testing import require_backend
+from omniwire.testing.cluster import Cluster, Host, cluster_or_skip
+
+RUN = Path(__file__).resolve().parents[1] / "examples" / "pipeline" / "run.py"
+pytestmark = [pytest.mark.slow]
+
+
+def host_env(host: Host) -> list[str]:
+    """The per-host engine settings: UCX and gloo bind to the host's veth, and UCX
+    moves bytes over TCP (its shared-memory transports would reach across the
+    namespaces of one kernel, as no two real hosts can)."""
+    ucx = [f"UCX_NET_DEVICES={host.ifname}", "UCX_TLS=tcp"]
+    return ["env", *ucx, f"GLOO_SOCKET_IFNAME={host.ifname}"]
+
+
+def clean_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("OMNIWIRE_HOST_ID", "UCX_NET_DEVICES")}
+    return {**env, "OMP_NUM_THREADS": "1", "MC_LOG_LEVEL": "ERROR"}
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Cluster]:
+    with cluster_or_skip(("a", "b", "c"), rate={"a": "10gbit", "b": "10gbit", "c": "1gbit"}) as c:
+        yield c
+        left = {h.name: h.shm() for h in c.hosts.values() if h.shm()}
+        assert not left, f"left in /dev/shm: {left}"
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize(
+    ("engine", "placement"),
+    [
+        ("mooncake", "abc"),
+        ("nixl", "abc"),
+        ("nccl", "abc"),
+        ("mooncake", "aab"),  # encoder and thinker share host a: shm between them
+    ],
+)
+def test_pipeline_across_namespace_hosts(cluster: Cluster, engine: str, placement: str) -> None:
+    require_backend(engine)
+    encoder, thinker, talker = (cluster[h] for h in placement)
+    args = []
+    for stage, host in (("encoder", encoder), ("thinker", thinker), ("talker", talker)):
+        args += ["--bind", f"{stage}=tcp://{host.ip}:0"]
+        if stage != "encoder":
+            args += ["--launch", f"{stage}={shlex.join(host.command(host_env(host)))}"]
+    if engine != "mooncake":  # the default policy's choice for another host
+        args += ["--prefer", engine]
+    # the thinker's hidden-state fan-out: shm to a stage on its host, the engine elsewhere
+    for peer, host in (("talker", talker), ("encoder", encoder)):
+        args += ["--expect", f"{peer}={'shm' if host is thinker else engine}"]
+    done = encoder.run(
+        [*host_env(encoder), sys.executable, str(RUN), "--requests", "3", "--json", *args],
+        timeout=180,
+        capture_output=True,
+        text=True,
+        env=clean_env(),
+    )
+    assert done.stdout.strip(), done.stderr
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out["problems"] == [], out["problems"]
+    assert done.returncode == 0, done.stderr
+    status = {r["request"]: r["status"] for r in out["results"]}
+    assert status == {"req-0": "done", "req-1": "aborted", "req-2": "done"}
+    for host in cluster.hosts.values():
+        assert host.pids() == [], f"processes left on {host}"
+        assert host.shm() == [], f"left in /dev/shm of {host}"
+
+
+# -- partitions, heals and host death --------------------------------------------------
+
+PEER = Path(__file__).resolve().parent / "cluster_peer.py"
+PEER_TIMEOUT = 2.0
+
+
+class Side:
+    """A ``cluster_peer.py`` process in a host; its JSON lines read by a thread."""
+
+    def __init__(self, host: Host, *args: str) -> None:
+        self.host = host
+        self.stderr = tempfile.TemporaryFile("w+")  # noqa: SIM115 (closed by finish/kill; a pipe could fill and stall it)
+        self.proc = host.popen(
+            [*host_env(host), sys.executable, str(PEER), *args],
+            stdout=subprocess.PIPE,
+            stderr=self.stderr,
+            text=True,
+            env=clean_env(),
+        )
+        self.lines: queue.Queue[dict[str, Any] | None] = queue.Queue()
+        self.seen: list[dict[str, Any]] = []
+        self.address = ""
+        threading.Thread(target=self._read, daemon=True).start()
+        if args[0] == "recv":
+            self.address = self.expect(lambda m: "ready" in m, 30)["ready"]
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        with self.proc.stdout:
+            for line in self.proc.stdout:
+                if line.startswith("{"):
+                    self.lines.put(json.loads(line))
+        self.lines.put(None)
+
+    def expect(self, pred: Callable[[dict[str, Any]], bool], timeout: float) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                m = self.lines.get(timeout=left)
+            except queue.Empty:
+                break
+            if m is None:
+                break
+            self.seen.append(m)
+            if pred(m):
+                return m
+        raise AssertionError(f"no such line within {timeout} s; seen {self.seen[-6:]}")
+
+    def finish(self, timeout: float = 30) -> list[dict[str, Any]]:
+        """Wait for the exit (a receiver is sent SIGTERM first); every line it printed.
+        Asserts the exit code is 0."""
+        if self.address and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            code = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise AssertionError(
+                f"{self.host.name}: no exit within {timeout} s; seen {self.seen[-8:]}"
+            ) from None
+        with contextlib.suppress(AssertionError):
+            self.expect(lambda m: False, 5)  # the rest of its lines
+        self.stderr.seek(0)
+        err = self.stderr.read()
+        self.stderr.close()
+        assert code == 0, f"{self.host.name}: exit {code}: {err[-3000:]}"
+        return self.seen
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(10)
+        if not self.stderr.closed:
+            self.stderr.close()
+
+
+def start_pair(cluster: Cluster, engine: str, *extra: str) -> tuple[Side, Side, Host, Host]:
+    sender, receiver = cluster["c"], cluster["b"]
+    common = ["--backends", f"local,shm,{engine}", "--peer-timeout", str(PEER_TIMEOUT)]
+    route = [] if engine == "mooncake" else ["--route", engine]
+    recv = Side(receiver, "recv", "--name", "r", "--address", f"tcp://{receiver.ip}:0",
+                *common)  # fmt: skip
+    send = Side(sender, "send", "--name", "s", "--address", f"tcp://{sender.ip}:0",
+                "--peer", f"r={recv.address}", *common, *route, *extra)  # fmt: skip
+    send.expect(lambda m: m.get("ready") is True, 30)
+    return send, recv, sender, receiver
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("engine", "stream"),
+    [("mooncake", False), ("mooncake", True), ("nixl", False), ("nccl", False)],
+    ids=["mooncake-payloads", "mooncake-stream", "nixl-payloads", "nccl-payloads"],
+)
+def test_a_partition_mid_transfer_fails_in_bounded_time_and_heals(
+    cluster: Cluster, engine: str, stream: bool
+) -> None:
+    """Link down while an object is in flight: its receipt fails as lost/unresponsive
+    within peer_timeout + a bound, nothing is delivered twice, the peers make a new
+    session by themselves once the link is back, and later sends succeed."""
+    require_backend(engine)
+    cluster["c"].set_rate("200mbit")  # 16 MiB takes ~0.7 s on the wire
+    extra = ["--size", str(16 << 20), "--count", "4", "--settle", "8"]
+    send, recv, sender, _ = start_pair(cluster, engine, *extra, *(["--stream"] if stream else []))
+    try:
+        send.expect(lambda m: m.get("sent") == 1, 30)
+        time.sleep(0.2)
+        sender.link_down()
+        down = time.monotonic()
+        failed = send.expect(lambda m: m.get("i") == 1, PEER_TIMEOUT + 30)
+        failed_after = time.monotonic() - down
+        time.sleep(max(0.0, PEER_TIMEOUT + 1.5 - (time.monotonic() - down)))
+        sender.link_up()  # down for longer than peer_timeout: both sides saw the loss
+        lines = send.finish(60)
+    finally:
+        sender.link_up()
+        cluster["c"].set_rate("1gbit")
+    got = recv.finish(30)
+    results = {m["i"]: m for m in lines if "i" in m and "ok" in m}
+    settled = next(m["settled"] for m in lines if "settled" in m)
+    assert results[0]["ok"] and results[2]["ok"] and results[3]["ok"], results
+    if not failed["ok"]:  # it may also have made it across before the link went
+        assert failed["error"] in ("PeerUnresponsiveError", "PeerLostError"), failed
+        assert failed_after < PEER_TIMEOUT + 3, failed
+        assert any("rejoined" in m for m in lines), lines
+    delivered = [(m["rid"], m["i"]) for m in got if m.get("kind") in ("payload", "stream_chunk")]
+    assert len(delivered) == len(set(delivered)), f"delivered twice: {delivered}"
+    assert all(m["ok"] for m in got if "ok" in m), f"bytes differ: {got} {lines}"
+    for i, outcome in settled.items():
+        was = any(d[1] == int(i) for d in delivered)
+        assert outcome in ("delivered", "unknown"), settled
+        assert not (outcome == "delivered" and not was), (i, settled, delivered)
+    assert {d[1] for d in delivered} >= {0, 2, 3}
+    held = next(m["held"] for m in got if "end" in m)
+    assert not any(held.values()), held
+
+
+@pytest.mark.timeout(120)
+def test_a_link_down_for_good_fails_everywhere_in_bounded_time(cluster: Cluster) -> None:
+    """No heal: the in-flight receipt fails, the sender gives up waiting for the peer
+    and closes, the receiver reports the lost request and closes; nothing hangs or
+    stays behind on either host."""
+    cluster["c"].set_rate("200mbit")
+    extra = ["--size", str(16 << 20), "--count", "3", "--rejoin", "3", "--settle", "1"]
+    send, recv, sender, receiver = start_pair(cluster, "mooncake", *extra)
+    try:
+        send.expect(lambda m: m.get("sent") == 1, 30)
+        time.sleep(0.2)
+        sender.link_down()
+        down = time.monotonic()
+        failed = send.expect(lambda m: m.get("i") == 1, PEER_TIMEOUT + 30)
+        assert not failed["ok"] and failed["error"] in ("PeerUnresponsiveError", "PeerLostError")
+        assert time.monotonic() - down < PEER_TIMEOUT + 3, failed
+        lost = recv.expect(lambda m: m.get("kind") == "error", PEER_TIMEOUT + 5)
+        assert lost["rid"] == "p1", lost
+        lines = send.finish(30)  # gives up after --rejoin, then closes
+        assert any("gone" in m for m in lines), lines
+        got = recv.finish(30)
+    finally:
+        sender.link_up()
+        cluster["c"].set_rate("1gbit")
+    assert [m["rid"] for m in got if m.get("kind") == "payload"] == ["p0"]
+    assert not any(next(m["held"] for m in got if "end" in m).values())
+    for host in (sender, receiver):
+        assert host.pids() == [] and host.shm() == [], host
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("dead", ["sender", "receiver"])
+def test_all_processes_of_one_host_killed_at_once(cluster: Cluster, dead: str) -> None:
+    """A host dies mid transfer (SIGKILL to everything on it): the other side fails
+    what it had in flight within a bound, closes cleanly, and holds nothing."""
+    cluster["c"].set_rate("200mbit")
+    extra = ["--size", str(16 << 20), "--count", "3", "--rejoin", "3", "--settle", "1"]
+    send, recv, sender, receiver = start_pair(cluster, "mooncake", *extra)
+    try:
+        send.expect(lambda m: m.get("sent") == 1, 30)
+        time.sleep(0.2)
+        victim, survivor = (sender, receiver) if dead == "sender" else (receiver, sender)
+        assert victim.kill_all()
+        killed = time.monotonic()
+        if dead == "sender":
+            send.kill()
+            lost = recv.expect(lambda m: m.get("kind") == "error", PEER_TIMEOUT + 5)
+            assert lost["rid"] == "p1", lost
+            got = recv.finish(30)
+            assert not any(next(m["held"] for m in got if "end" in m).values())
+        else:
+            recv.kill()
+            failed = send.expect(lambda m: m.get("i") == 1, PEER_TIMEOUT + 30)
+            assert not failed["ok"] and "Peer" in failed["error"], failed
+            lines = send.finish(30)
+            assert any("gone" in m for m in lines), lines
+        assert time.monotonic() - killed < PEER_TIMEOUT + 10
+    finally:
+        cluster["c"].set_rate("1gbit")
+    assert survivor.pids() == [] and survivor.shm() == [], survivor
+    for name in victim.shm():  # SIGKILL leaves the victim's own segments: nobody ran to
+        assert name.startswith("omniwire-"), name  # clean them (the host is gone)
+    victim.run(["sh", "-c", "rm -f /dev/shm/omniwire-*"])
+
+
+@pytest.mark.timeout(120)
+def test_demo_remote_across_two_namespace_hosts(cluster: Cluster) -> None:
+    """``omniwire demo --remote --hosts ... --far-launch ...``: src on host a, far on
+    host b, told apart by detection alone; the engines' native lines (Mooncake's
+    "Local segment descriptor not found") stay off the terminal."""
+    a, b = cluster["a"], cluster["b"]
+    far = shlex.join(b.command(host_env(b)))
+    done = a.run(
+        [*host_env(a), sys.executable, "-m", "omniwire.cli", "demo", "--remote",
+         "--hosts", f"{a.ip},{b.ip}", "--far-launch", far],
+        timeout=100, capture_output=True, text=True, env=clean_env(),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "omniwire demo: OK" in done.stdout
+    assert "src→far    payload       mooncake" in done.stdout
+    assert "another host" in done.stdout
+    terminal = done.stdout + done.stderr
+    assert "segment descriptor" not in terminal and "InitGoogleLogging" not in terminal, terminal
+
+
+@pytest.mark.timeout(120)
+def test_a_partition_only_one_side_noticed_fails_in_flight_objects_at_the_heal(
+    cluster: Cluster,
+) -> None:
+    """The receiver declares the sender lost (its peer_timeout is short), the sender
+    does not (its own is long): when the link is back and the receiver says Hello
+    again, the sender must learn that the receiver's session ended and fail what it
+    had in flight then, not an ack_timeout later."""
+    cluster["c"].set_rate("200mbit")
+    extra = ["--size", str(16 << 20), "--count", "3", "--settle", "1", "--heartbeat", "0.5"]
+    extra += ["--peer-timeout", "60", "--ack-timeout", "60"]  # the sender never gives up
+    send, recv, sender, _ = start_pair(cluster, "mooncake", *extra)
+    try:
+        send.expect(lambda m: m.get("sent") == 1, 30)
+        time.sleep(0.2)
+        sender.link_down()
+        recv.expect(lambda m: m.get("kind") == "error", PEER_TIMEOUT + 10)  # it noticed
+        sender.link_up()
+        healed = time.monotonic()
+        failed = send.expect(lambda m: m.get("i") == 1, 10)
+        assert time.monotonic() - healed < 10, failed
+        assert not failed["ok"] and "Peer" in failed["error"], failed
+    finally:
+        sender.link_up()
+        cluster["c"].set_rate("1gbit")
+        for side in (send, recv):
+            side.kill()
