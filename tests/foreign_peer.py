@@ -14,6 +14,7 @@ import mmap
 import os
 import re
 import secrets
+import stat
 import struct
 import time
 from collections import deque
@@ -168,21 +169,70 @@ class Segment:
 
 
 def read_segment(prefix: str, info: dict[str, Any], length: int) -> bytes:
-    """Check a peer's shm reference as §9.2 says, then copy its bytes out."""
+    """Check a peer's shm reference as §9.2 says, then copy its bytes out: a sealed
+    memfd (behind its link) is mapped, a plain file is read with ``pread``."""
     name = info["segment"]
     if not SEGMENT.match(name) or not name.startswith(prefix + "-"):
         raise ValueError(f"segment {name!r} is not under the peer's prefix {prefix!r}")
     if info["size"] != length:
         raise ValueError(f"size {info['size']} != length {length}")
-    fd = os.open(os.path.join(SHM_DIR, name), os.O_RDONLY)
+    fd, sealed = open_segment(name, int(name.split("-")[1]))
     try:
         size = os.fstat(fd).st_size
-        if info["offset"] + info["size"] > size:
+        start, n = info["offset"], info["size"]
+        if start + n > size:
             raise ValueError("reference outside its segment")
+        if not sealed:
+            data = os.pread(fd, n, start)
+            if len(data) != n:
+                raise ValueError(f"segment {name} was truncated under us")
+            return data
         with mmap.mmap(fd, size, prot=mmap.PROT_READ) as m:
-            return bytes(m[info["offset"] : info["offset"] + info["size"]])
+            return bytes(m[start : start + n])
     finally:
         os.close(fd)
+
+
+def open_segment(name: str, pid: int, flags: int = os.O_RDONLY) -> tuple[int, bool]:
+    """Open ``/dev/shm/<name>`` of process ``pid`` as §9.2 "Reading a segment" says:
+    a link only to a sealed memfd of ``pid`` named ``name``, else a plain file of ours
+    with one link. Returns the descriptor and whether it is sealed (may be mapped)."""
+    path = os.path.join(SHM_DIR, name)
+    st = os.lstat(path)
+    if stat.S_ISLNK(st.st_mode):
+        target = os.readlink(path)
+        if not re.fullmatch(rf"/proc/{pid}/fd/\d+", target) or st.st_uid != os.geteuid():
+            raise ValueError(f"{name} links to {target!r}, not to a descriptor of {pid}")
+        fd = os.open(target, flags)
+        try:
+            probe = os.memfd_create("probe")
+            memfd_dev = os.fstat(probe).st_dev
+            os.close(probe)
+            fst = os.fstat(fd)
+            seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+            need = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
+            if (
+                fst.st_dev != memfd_dev
+                or fst.st_uid != os.geteuid()
+                or os.readlink(f"/proc/self/fd/{fd}") != f"/memfd:{name} (deleted)"
+                or seals & need != need
+            ):
+                raise ValueError(f"{name} is not a sealed memfd of process {pid}")
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd, True
+    fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK)
+    fst = os.fstat(fd)
+    if (
+        not stat.S_ISREG(fst.st_mode)
+        or fst.st_dev != os.stat(SHM_DIR).st_dev
+        or fst.st_uid != os.geteuid()
+        or fst.st_nlink != 1
+    ):
+        os.close(fd)
+        raise ValueError(f"{name} is not a plain segment of ours")
+    return fd, False
 
 
 # -- a same-host ring, the writer's end (§3.6) -------------------------------------------
@@ -207,8 +257,10 @@ class RingWriter:
         if m is None or int(m.group(1)) != owner_pid:
             raise ValueError(f"ring {name!r} is not a ring of process {owner_pid}")
         self.name = name
-        fd = os.open(os.path.join(SHM_DIR, f"{name}-0"), os.O_RDWR)
+        fd, sealed = open_segment(f"{name}-0", owner_pid, os.O_RDWR)
         try:
+            if not sealed:  # its reader could shrink it under our mapping (SIGBUS)
+                raise ValueError(f"ring {name} is not sealed")
             size = os.fstat(fd).st_size
             if size < 2 * RING_HEADER:
                 raise ValueError(f"{name}: {size} bytes is too small for a ring")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import array
 import asyncio
+import contextlib
 import os
 import random
 import signal
@@ -668,3 +669,32 @@ async def test_a_killed_peer_wedges_nothing_and_leaks_nothing() -> None:
         assert _fds() == fds
     finally:
         c.stop()
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("yields", [0, 1, 50], ids=["at-once", "soon", "late"])
+async def test_an_attach_cancelled_midway_leaves_no_file_open(yields: int) -> None:
+    """``RingWriter.open`` checks and maps the ring in a worker thread; a task
+    cancelled meanwhile (an endpoint closing) must not drop what the thread opened:
+    its descriptors and its mapping are closed, whoever finishes first."""
+    reader = RingReader.create(4096)
+    try:
+        with_reader = _fds()
+        task = asyncio.ensure_future(RingWriter.open(reader.name))
+        for _ in range(yields):
+            await asyncio.sleep(0)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        if not task.cancelled():  # it won the race: an ordinary writer, closed here
+            task.result().close()
+        with anyio.fail_after(10):
+            while _fds() != with_reader or _mappings(reader.name) != 1:
+                await asyncio.sleep(0.01)
+    finally:
+        reader.close()
+
+
+def _mappings(name: str) -> int:
+    with open("/proc/self/maps") as f:
+        return sum(f"{name}-0" in line for line in f)

@@ -24,9 +24,14 @@ def _segments(prefix: str) -> list[str]:
     return [n for n in os.listdir(SHM_DIR) if n.startswith(prefix + "-")]
 
 
+def _plain_files(prefix: str) -> bool:
+    names = _segments(prefix)
+    return bool(names) and not any(os.path.islink(f"{SHM_DIR}/{n}") for n in names)
+
+
 @asynccontextmanager
-async def _pair(**shm: Any) -> AsyncIterator[tuple[Endpoint, Endpoint]]:
-    """A sender and a zero-copy receiver in this process, over shm."""
+async def _pair(zero_copy: bool = True, **shm: Any) -> AsyncIterator[tuple[Endpoint, Endpoint]]:
+    """A sender and a (by default zero-copy) receiver in this process, over shm."""
     tag = secrets.token_hex(3)
     ntx, nrx = f"tx-{tag}", f"rx-{tag}"
     opts = {"shm": shm}
@@ -35,7 +40,7 @@ async def _pair(**shm: Any) -> AsyncIterator[tuple[Endpoint, Endpoint]]:
         address=ipc_address(nrx),
         backends=["shm"],
         routes={ntx: "shm"},
-        zero_copy=True,
+        zero_copy=zero_copy,
         backend_options=opts,
     )
     async with rx:
@@ -88,3 +93,23 @@ async def test_a_large_object_never_waits_behind_a_held_small_one(size: int) -> 
         assert detail["arena_kept"] == 1  # one kept segment carried all three, warm
         assert detail["arena_dedicated_created"] == 1
         assert tx.backend("shm").stats().idle and rx.backend("shm").stats().idle
+
+
+@pytest.mark.parametrize("zero_copy", [True, False], ids=["zero_copy", "copy"])
+@pytest.mark.asyncio
+async def test_plain_segments_are_read_not_mapped(zero_copy: bool) -> None:
+    """``sealed=False`` (1.1's plain files): the receiver reads them with ``pread``, so
+    a zero-copy receiver gets a copy of its own; small and large (threaded) objects,
+    from the arena and from a dedicated segment, arrive whole."""
+    opts: dict[str, Any] = {"sealed": False, "arena_size": 16 * MiB}
+    async with _pair(zero_copy, **opts) as (tx, rx):
+        prefix = tx.backend("shm").prefix  # type: ignore[attr-defined]
+        with anyio.fail_after(60):
+            for i, n in enumerate((1000, 3 * MiB, 40 * MiB)):  # slot, slot (threaded), dedicated
+                t = torch.full((n // 4,), float(i))
+                receipt = await tx.send(rx.name, {"t": t}, request_id=f"r{i}")
+                async with await rx.receive() as d:
+                    assert torch.equal(d.payload["t"], t)
+                    assert _plain_files(prefix)
+                await receipt.wait()
+        assert rx.backend("shm").stats().idle

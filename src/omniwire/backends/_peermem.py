@@ -32,10 +32,20 @@ from dataclasses import dataclass
 
 from ..errors import BackendError, BadReferenceError
 
-__all__ = ["SEALS", "Opened", "OwnerGoneError", "memfd_device", "open_shared", "pread_into"]
+__all__ = [
+    "SEALING",
+    "SEALS",
+    "Opened",
+    "OwnerGoneError",
+    "memfd_device",
+    "open_shared",
+    "pread_into",
+]
 
-#: The seals a shared memfd must carry: its size is fixed.
-SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
+#: The seals a shared memfd must carry: its size is fixed (Linux's values).
+SEALS = getattr(fcntl, "F_SEAL_SHRINK", 0x2) | getattr(fcntl, "F_SEAL_GROW", 0x4)
+#: Whether this platform has sealed memfds (Linux ≥ 3.17); else only plain files.
+SEALING = hasattr(os, "memfd_create") and hasattr(fcntl, "F_ADD_SEALS")
 _LINK = re.compile(r"^/proc/(\d+)/fd/(\d+)$")
 
 

@@ -68,7 +68,7 @@ import torch
 
 from ..errors import BackendClosedError, BackendError, BadReferenceError, ShmFullError
 from ..hostinfo import pid_alive
-from ._peermem import SEALS, Opened, open_shared, pread_into
+from ._peermem import SEALING, SEALS, Opened, open_shared, pread_into
 from .base import (
     THREAD_COPY_THRESHOLD,
     Availability,
@@ -398,7 +398,7 @@ class ShmBackend(ByteBackend):
     most half the arena waits for a free slot before it gets a dedicated segment,
     default 1), ``large_segments`` (how many kept segments of the arena's size carry
     objects over half the arena, default 2; 0: a dedicated segment each), ``sealed``
-    (default True: sealed memfds behind links; False: plain files, for peers in
+    (default True where the platform has sealed memfds: sealed memfds behind links; False: plain files, for peers in
     another PID namespace that share /dev/shm — a receiver then copies with
     ``pread``, even in zero-copy mode).
 
@@ -427,7 +427,7 @@ class ShmBackend(ByteBackend):
             self.directory = str(opts.get("directory", SHM_DIR))
             self.arena_wait = float(opts.get("arena_wait", 1.0))
             large = int(opts.get("large_segments", 2))
-            self.sealed = bool(opts.get("sealed", True))
+            self.sealed = bool(opts.get("sealed", SEALING))
         except (TypeError, ValueError) as exc:
             raise BackendError(f"shm: bad options {dict(opts)!r}: {exc}") from None
         self.prefix = f"{PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
@@ -541,45 +541,51 @@ class ShmBackend(ByteBackend):
             raise BadReferenceError(
                 f"shm reference from {peer.name!r} has size {r.size} != {nbytes}"
             )
-        segments = self._mapped.setdefault(peer.key, {})
-        held = segments.get(r.segment)
-        if held is not None:
-            self._check_bounds(peer, r, held.size)
-        elif r.size == 0:
+        held = self._mapped.setdefault(peer.key, {}).get(r.segment)
+        if held is None and r.size == 0:
             return _ShmImport(self, peer, 0, torch.empty(0, dtype=torch.uint8))
-        else:
+        if held is None:
             # Checked before anything is mapped, off the loop (_peermem: a link must
             # lead to a sealed memfd of the peer's; a plain file is read, never mapped).
             # Read-write, as before: zero-copy views are writable tensors, and a write
             # into a read-only mapping would fault. We never write to it ourselves.
-            opened: Opened | None = await anyio.to_thread.run_sync(
+            opened = await anyio.to_thread.run_sync(
                 open_shared, self.directory, r.segment, peer.pid, True
             )
-            assert opened is not None
-            keep = not r.dedicated and len(segments) < MAX_KEPT_SEGMENTS
-            try:
-                self._check_bounds(peer, r, opened.size)
-                if self._closed:
-                    raise BackendClosedError("shm backend is closed")
-                if not opened.sealed:
-                    if not keep:
-                        return _ReadImport(self, peer, nbytes, opened, r.offset, own=True)
-                    segments[r.segment] = held = opened
-                    opened = None  # kept
-                elif not keep:  # this object's pages only, unmapped when it closes
-                    seg = Segment.map(opened, r.offset, r.size)
-                    return _ShmImport(self, peer, nbytes, seg.view(r.offset, r.size), seg)
-                else:  # mapped whole, once; nothing is touched but what objects use
-                    segments[r.segment] = held = Segment.map(opened)
-            except BaseException:
-                if opened is not None:
+            segments = self._mapped.get(peer.key)  # None: the peer went meanwhile
+            held = segments.get(r.segment) if segments is not None else None
+            if held is not None:  # another import opened it meanwhile
+                opened.close()
+            else:
+                keep = segments is not None and not r.dedicated
+                try:
+                    self._check_bounds(peer, r, opened.size)
+                    if self._closed:
+                        raise BackendClosedError("shm backend is closed")
+                    if segments is None or not keep or len(segments) >= MAX_KEPT_SEGMENTS:
+                        return self._import_once(peer, r, opened)
+                    held = opened if not opened.sealed else Segment.map(opened)
+                except BaseException:
                     opened.close()
-                raise
-            if opened is not None and opened.sealed:
-                opened.close()  # the mapping stays
+                    raise
+                if held is not opened:
+                    opened.close()  # the mapping stays
+                segments[r.segment] = held
+        self._check_bounds(peer, r, held.size)
         if isinstance(held, Segment):
-            return _ShmImport(self, peer, nbytes, held.view(r.offset, r.size))
-        return _ReadImport(self, peer, nbytes, held, r.offset, own=False)
+            return _ShmImport(self, peer, r.size, held.view(r.offset, r.size))
+        return _ReadImport(self, peer, r.size, held, r.offset, own=False)
+
+    def _import_once(self, peer: PeerInfo, r: _Ref, opened: Opened) -> Import:
+        """An object whose segment is not kept here: this import owns the descriptor
+        (a plain file) or a mapping of the object's pages only (a sealed one)."""
+        if not opened.sealed:
+            return _ReadImport(self, peer, r.size, opened, r.offset, own=True)
+        try:
+            seg = Segment.map(opened, r.offset, r.size)
+        finally:
+            opened.close()
+        return _ShmImport(self, peer, r.size, seg.view(r.offset, r.size), seg)
 
     def _check_bounds(self, peer: PeerInfo, r: _Ref, size: int) -> None:
         if r.offset + r.size > size:

@@ -139,7 +139,9 @@ other side unconditionally; the reader hands out what was written before the
 writer closed, then reports the end. Neither side ever waits on the other except
 in its event loop, so a dead peer wedges nothing: frames to a dead reader pile up
 until the ring is full (then ``send_nowait`` returns False), and a dead writer just
-stops. :meth:`~RingReader.peer_alive` tells a dead peer (its ``flock`` on its
+stops. A reader that dies before it read the writer's fence never unlinks the
+ring's names: the writer, closing, sweeps them (pid dead, locks free).
+:meth:`~RingReader.peer_alive` tells a dead peer (its ``flock`` on its
 doorbell FIFO is gone), and the endpoint's own process-liveness check applies.
 A reader that finds the shared state inconsistent (a buggy or hostile writer)
 stops and reports a :class:`RingError`; it never reads outside its mapping.

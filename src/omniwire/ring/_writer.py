@@ -7,10 +7,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
+from collections.abc import Callable
 
-import anyio
-
-from ..backends.shm import SHM_DIR
+from ..backends.shm import SHM_DIR, sweep_stale_segments
 from ..wire import MAX_FRAME_SIZE
 from ._errors import RingClosedError, RingError
 from ._fences import fence, ordered
@@ -116,8 +116,15 @@ class RingWriter:
         check_platform()
         pid = check_name(name, owner_pid)
         loop = asyncio.get_running_loop()
-        with anyio.CancelScope(shield=True):  # short; a result dropped would leak its fds
-            files = await anyio.to_thread.run_sync(RingFiles.attach, name, directory, pid)
+        handoff = _Handoff()
+        try:
+            await loop.run_in_executor(
+                None, handoff.give, lambda: RingFiles.attach(name, directory, pid)
+            )
+        except asyncio.CancelledError:
+            handoff.abandon()
+            raise
+        files = handoff.take()
         try:
             writer = cls(files, loop, max_frame)
         except BaseException:
@@ -220,7 +227,15 @@ class RingWriter:
             self._loop.remove_reader(self._bell.fd)
         ordered()  # every tail stored before, then ``writer_closed``
         self._files.say_closed()
+        # A reader that died before it read our fence never unlinked the ring's names;
+        # the sweep (which checks the pid and the locks again) removes them now.
+        gone = False
+        with contextlib.suppress(OSError):
+            gone = not self._reader_bell.held_by_other()
         self._files.close()
+        if gone:
+            names = {f"{self.name}-{n}" for n in range(3)}
+            sweep_stale_segments(self._files.directory, names)
         self._fail_waiters()
 
     def __repr__(self) -> str:
@@ -363,3 +378,40 @@ class RingWriter:
         for fut in self._waiters:
             if not fut.done():
                 fut.set_result(None)  # the waiter wakes and raises RingClosedError
+
+
+class _Handoff:
+    """Hands the :class:`RingFiles` a worker thread opened to the task awaiting it —
+    or, if that task was cancelled meanwhile (its loop may even be gone by the time
+    the thread ends), closes them, in the thread or at the cancellation, whichever
+    comes second. Exactly one side ends up owning them: none are dropped open."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._files: RingFiles | None = None
+        self._abandoned = False
+
+    def give(self, attach: Callable[[], RingFiles]) -> None:
+        """In the worker thread."""
+        files = attach()
+        with self._lock:
+            abandoned = self._abandoned
+            if not abandoned:
+                self._files = files
+        if abandoned:
+            files.close()
+
+    def take(self) -> RingFiles:
+        """On the loop, once :meth:`give` returned."""
+        with self._lock:
+            files, self._files = self._files, None
+        assert files is not None
+        return files
+
+    def abandon(self) -> None:
+        """On the loop, when the awaiting task is cancelled."""
+        with self._lock:
+            self._abandoned = True
+            files, self._files = self._files, None
+        if files is not None:
+            files.close()
