@@ -485,7 +485,10 @@ def compat() -> dict[str, tuple[bytes, wire.Message]]:
     ref10 = msgspec.structs.replace(msgs["data_ready_ref"], traceparent="")
     return {
         "hello_1_0": (
-            _frame(_without(hello10, "to_endpoint", "ring", "ring_attached", "window", "epoch"), minor=0),
+            _frame(
+                _without(hello10, "to_endpoint", "ring", "ring_attached", "window", "epoch"),
+                minor=0,
+            ),
             hello10,
         ),
         "data_ack_1_0": (_frame(_without(ack10, "reason"), minor=0), ack10),
