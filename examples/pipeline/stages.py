@@ -60,6 +60,8 @@ async def talker(ep: Endpoint, report: dict[str, Any]) -> None:
         hidden = None
         async with request:
             async for d in request:
+                if d.request_id not in report["seen"]:
+                    report["seen"].append(d.request_id)
                 if d.kind == "stream_chunk":
                     tokens.append(int(d.payload.item()))
                 elif d.kind == "payload":
@@ -145,7 +147,13 @@ async def thinker(ep: Endpoint, report: dict[str, Any]) -> None:
 
 async def run_stage(args: argparse.Namespace) -> int:
     peers = dict(p.split("=", 1) for p in args.peer)
-    report: dict[str, Any] = {"stage": args.stage, "served": [], "aborted": [], "errors": []}
+    report: dict[str, Any] = {
+        "stage": args.stage,
+        "served": [],
+        "aborted": [],
+        "errors": [],
+        "seen": [],  # requests the stage had a delivery of (an abort reaches only those)
+    }
     report["fanouts"] = []
     stage = {"talker": talker, "thinker": thinker}[args.stage]
     # --prefer: that engine (started even where it is opt-in, as nccl is) and shm
