@@ -232,8 +232,10 @@ async def run(opts: Options, results: Results) -> Results:
     return results
 
 
-async def _shm(counts: _scenarios.Counts, step: Callable[[str], None]) -> Scenario:
-    size = 64 * MiB
+@contextlib.asynccontextmanager
+async def _shm_pair(size: int) -> AsyncIterator[Any]:
+    """Endpoint A with two shm-only bench peers, a copy-mode and a zero-copy one,
+    and an arena that holds two objects of ``size``."""
     options = {"shm": {"arena_size": 2 * size + 8 * MiB}}
     shm = ["--backends", "shm", "--routes", '{"{me}": "shm"}']
     shm += ["--backend-options", json.dumps(options)]
@@ -245,6 +247,12 @@ async def _shm(counts: _scenarios.Counts, step: Callable[[str], None]) -> Scenar
         backend_options=options,
         max_inflight_bytes=options["shm"]["arena_size"] // 2,
     ) as (ep, _):
+        yield ep
+
+
+async def _shm(counts: _scenarios.Counts, step: Callable[[str], None]) -> Scenario:
+    size = 64 * MiB
+    async with _shm_pair(size) as ep:
         return await _scenarios.shm_large(
             (ep, "bench-copy"), (ep, "bench-zero-copy"), counts, step, size
         )
@@ -252,17 +260,7 @@ async def _shm(counts: _scenarios.Counts, step: Callable[[str], None]) -> Scenar
 
 async def _born(counts: _scenarios.Counts, step: Callable[[str], None]) -> Scenario:
     size = 64 * MiB
-    options = {"shm": {"arena_size": 2 * size + 8 * MiB}}
-    shm = ["--backends", "shm", "--routes", '{"{me}": "shm"}']
-    shm += ["--backend-options", json.dumps(options)]
-    peers = {"bench-copy": shm, "bench-zero-copy": [*shm, "--zero-copy"]}
-    async with _endpoint(
-        peers,
-        backends=["shm"],
-        routes={name: "shm" for name in peers},
-        backend_options=options,
-        max_inflight_bytes=options["shm"]["arena_size"] // 2,
-    ) as (ep, _):
+    async with _shm_pair(size) as ep:
         return await _born_mod.born_large(
             ep, "bench-copy", "bench-zero-copy", counts.shm_rounds, counts.shm_reps, step, size
         )

@@ -106,24 +106,15 @@ class Sender:
             layout = packing.plan(enc.tensors, enc.paths)
             route = self.select(peer, payload_info(kind, enc.tensors, layout))
             born = self._born(enc.tensors)
-            if born is None:
-                return await self.send_routed(
-                    peer, route, enc, layout, payload, request_id, kind, meta, lend, traceparent
-                )
+            shared = None
+            if born is not None:
+                lend = lend or born.backend is None  # ordinary memory: lent to the engine
+                shared = born.shared_for(route.backend)  # BufferReleasedError; None: packed
             receipt = await self.send_routed(
-                peer,
-                route,
-                enc,
-                layout,
-                payload,
-                request_id,
-                kind,
-                meta,
-                lend or born.backend is None,  # ordinary memory: lent to the engine
-                traceparent,
-                born.shared_for(route.backend),  # BufferReleasedError; None: packed as usual
+                peer, route, enc, layout, payload, request_id, kind, meta, lend, traceparent, shared
             )
-            born.sent(receipt)
+            if born is not None:
+                born.sent(receipt)
             return receipt
 
     def _born(self, tensors: list[torch.Tensor]) -> TransportBuffer | None:
