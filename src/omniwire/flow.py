@@ -139,6 +139,17 @@ class Window(_Fifo):
         if self.size:
             self.available -= nbytes
 
+    def try_acquire(self, nbytes: int) -> bool:
+        """:meth:`_Fifo.try_acquire` in one call (it runs before every DataReady)."""
+        if self._waiters:
+            return False
+        if self.size == 0:
+            return True
+        if nbytes <= self.available or self.available >= self.size:
+            self.available -= nbytes
+            return True
+        return False
+
     def reopen(self, increment: int) -> None:
         """The peer took ``increment`` bytes of charge; more than it was charged is ignored."""
         self.available = min(self.size, self.available + increment)

@@ -68,6 +68,7 @@ class Dispatcher:
         self.sender = sender
         self.receiver = receiver
         self.applied = 0  # messages applied since the control loop's last turn
+        self.name = core.name
 
     async def control_loop(self) -> None:
         """Frames from every peer's PUSH into our PULL, with a turn of the event loop
@@ -182,7 +183,7 @@ class Dispatcher:
     def _apply(self, msg: wire.Message) -> Peer | None:
         if type(msg) is wire.DataReadyMessage:  # the common case first
             peer = self._said_hello(msg)
-            if msg.to_stage != self.core.name and msg.data_ref is not None:
+            if msg.to_stage != self.name and msg.data_ref is not None:
                 self._nack_misaddressed(peer, msg)
             return peer if self.receiver.on_data_ready(peer, msg) else None
         if isinstance(msg, wire.HelloMessage):
@@ -208,7 +209,7 @@ class Dispatcher:
     def _said_hello(self, msg: _FromPeer) -> Peer:
         """The peer a message comes from, which must have said Hello."""
         peer = self.peers.get(msg.from_stage)
-        if peer is None or peer.hello is None:
+        if peer is None or peer.session.hello is None:
             raise RemoteProtocolError(
                 f"{type(msg).__name__} from {msg.from_stage!r}, which has not said Hello"
             )

@@ -90,11 +90,18 @@ class Receiver:
             else:
                 self.credit(peer, peer.generation, charge)
             return False
-        if record is not None and len(peer.inbox) >= self._inbox_limit:
+        inbox = peer.inbox
+        if record is None:
+            if not inbox and not peer.busy and not peer.worker and peer.status is PeerStatus.READY:
+                self.take_message(peer, msg, charge)  # the common case: nothing queued before it
+                return False
+            inbox.append(msg)
+            return True
+        if len(inbox) >= self._inbox_limit:
             core.counters["inbox_full"] += 1
             self.refuse(peer, record, "queue_full", "receiver queue full")
             return False
-        peer.inbox.append(record if record is not None else msg)
+        inbox.append(record)
         return True
 
     # -- the window (spec §7.6) ---------------------------------------------------------
@@ -103,9 +110,8 @@ class Receiver:
         """What a message of ``peer`` carried left this endpoint: give its charge back,
         and tell the peer when enough came back (a WindowMessage, batched with
         whatever else goes to it in this turn)."""
-        if peer.generation != generation or charge == 0:
-            return  # a past session's: its window is gone
-        self._reopen(peer, peer.rwindow.credit(charge))
+        if peer.generation == generation and charge and (increment := peer.rwindow.credit(charge)):
+            self._reopen(peer, increment)  # (a past session's charge: its window is gone)
 
     def flush_windows(self) -> None:
         """Tell each peer that holds nothing here what came back since its last
@@ -131,6 +137,16 @@ class Receiver:
         else:
             self.credit(peer, peer.generation, charge)
 
+    def _window_back(self, delivery: Delivery) -> None:
+        """A delivery holding a message's charge left the queue (taken or dropped):
+        :meth:`credit`, inline (once per message)."""
+        held = delivery._window
+        if held is not None:
+            delivery._window = None
+            peer, generation, charge = held
+            if peer.generation == generation and (increment := peer.rwindow.credit(charge)):
+                self._reopen(peer, increment)
+
     def on_progress(self, peer: Peer, msg: wire.DataProgressMessage) -> None:
         record = peer.session.on_progress(msg)
         record.progressed.set()
@@ -150,15 +166,7 @@ class Receiver:
         inbox = peer.inbox
         while inbox and isinstance(head := inbox[0], wire.DataReadyMessage):
             inbox.popleft()
-            msg = head
-            peer.busy = True
-            try:
-                self.take_message(peer, msg)
-            except Exception:  # a bug must not stop the peer's inbox
-                self.core.counters["internal_errors"] += 1
-                log.exception("%s: failed to take a message from %s", self.core.name, peer.name)
-            finally:
-                peer.busy = False
+            self.take_message(peer, head, wire.charge(head))
         if not inbox:
             return False
         head = inbox[0]
@@ -211,7 +219,7 @@ class Receiver:
     async def take(self, peer: Peer, item: InRecord | wire.DataReadyMessage) -> None:
         """Take one inbox item: a message at once, an object through its backend."""
         if isinstance(item, wire.DataReadyMessage):
-            self.take_message(peer, item)
+            self.take_message(peer, item, wire.charge(item))
             return
         mark = self._made
         try:
@@ -280,13 +288,19 @@ class Receiver:
                 self._refuse_stream(peer, rid, why)
                 self._deliver(Delivery("error", rid, peer.name, error=why, cause="stream_idle"))
 
-    def take_message(self, peer: Peer, msg: wire.DataReadyMessage) -> None:
-        """Take a data-less or inline DataReady (nothing of it waits)."""
+    def take_message(self, peer: Peer, msg: wire.DataReadyMessage, charge: int) -> None:
+        """Take a data-less or inline DataReady now (nothing of it waits). Its
+        ``charge`` is what it holds of the peer's window (see :meth:`_charged`)."""
         mark = self._made
+        peer.busy = True
         try:
             self._take_message(peer, msg)
+        except Exception:  # a bug must not stop the peer's inbox
+            self.core.counters["internal_errors"] += 1
+            log.exception("%s: failed to take a message from %s", self.core.name, peer.name)
         finally:
-            self._charged(peer, wire.charge(msg), mark)
+            peer.busy = False
+            self._charged(peer, charge, mark)
 
     def _take_message(self, peer: Peer, msg: wire.DataReadyMessage) -> None:
         if self.core.aborts.is_aborted(msg.request_id):
@@ -298,7 +312,11 @@ class Receiver:
             peer.open_streams.pop(msg.request_id, None)
             self._deliver(_error(peer, msg, msg.error, metadata))
         elif msg.inline is not None:
-            if msg.inline.kind == "stream_chunk" and not self._stream_admitted(peer, msg):
+            if (
+                msg.inline.kind == "stream_chunk"
+                and msg.request_id not in peer.open_streams
+                and not self._stream_admitted(peer, msg)
+            ):
                 return
             self._take_inline(peer, msg, msg.inline, metadata)
         self._ended(peer, msg, metadata)
@@ -346,7 +364,8 @@ class Receiver:
             self.core.counters["decode_errors"] += 1
             self._deliver(_error(peer, msg, str(exc)))
             return
-        nbytes = sum(t.nbytes for t in inline.tensors)
+        metas = inline.tensors
+        nbytes = metas[0].nbytes if len(metas) == 1 else sum(t.nbytes for t in metas)
         self._deliver(_data(peer, msg, inline.kind, value, metadata, "inline", nbytes))
 
     async def _take_object(self, peer: Peer, record: InRecord, metadata: Any) -> None:
@@ -478,13 +497,6 @@ class Receiver:
         self._made += 1
         self._last = delivery
         self.deliveries.put(delivery)
-
-    def _window_back(self, delivery: Delivery) -> None:
-        """A delivery holding a message's charge left the queue (taken or dropped)."""
-        held = delivery._window
-        if held is not None:
-            delivery._window = None
-            self.credit(*held)
 
     # -- aborts, loss, close -------------------------------------------------------------
 

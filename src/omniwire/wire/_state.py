@@ -66,6 +66,10 @@ class PeerState(enum.Enum):
     ACTIVE = "active"
     CLOSED = "closed"
 
+    # Members are singletons compared by identity: hash them the same way, in C
+    # (Enum's own __hash__ is Python code, run for every message a peer sends).
+    __hash__ = object.__hash__
+
 
 class HelloOutcome(enum.Enum):
     NEW = "new"  # first Hello from this peer (or first after it closed)
