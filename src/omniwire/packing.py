@@ -116,10 +116,11 @@ def plan(tensors: Sequence[torch.Tensor], paths: Sequence[str] = ()) -> PackPlan
     Raises:
         TypeError: a tensor's dtype has no wire name.
     """
-    key = (
-        *((t.dtype, t.shape, t.device) for t in tensors),
-        *paths,
-    )
+    if len(tensors) == 1:  # the common case, without a generator
+        t = tensors[0]
+        key: tuple[object, ...] = (t.dtype, t.shape, t.device, *paths)
+    else:
+        key = (*((t.dtype, t.shape, t.device) for t in tensors), *paths)
     layout = _PLANS.get(key)
     if layout is not None:
         return layout

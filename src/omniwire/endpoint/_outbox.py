@@ -74,11 +74,12 @@ class _Queue:
     channel could not take yet (each with the channel it must take: ZeroMQ, or the
     peer's ring)."""
 
-    __slots__ = ("backlog", "draining", "error", "messages", "peer", "room", "since")
+    __slots__ = ("backlog", "draining", "error", "messages", "peer", "room", "since", "sizes")
 
     def __init__(self, peer: Peer) -> None:
         self.peer = peer
         self.messages: list[wire.Message | _ToRing] = []
+        self.sizes: list[int] = []  # each message's size bound, if its poster knew it (else 0)
         self.backlog: deque[tuple[bytes, RingWriter | None]] = deque()
         self.draining = False
         self.since = 0.0  # when the backlog's head started to wait
@@ -109,8 +110,10 @@ class Outbox:
 
     # -- the API ---------------------------------------------------------------------
 
-    def post(self, peer: Peer, msg: wire.Message) -> None:
+    def post(self, peer: Peer, msg: wire.Message, size: int = 0) -> None:
         """Queue ``msg`` to ``peer``; it leaves after everything posted before it.
+        ``size``: a DataReady's charge, if the caller has it (it bounds the encoded
+        size: see :func:`_frames`).
 
         The first message to a peer in an event-loop iteration, with nothing queued
         before it, leaves at once (a request/reply pays no extra trip around the
@@ -134,7 +137,7 @@ class Outbox:
             except OmniwireError as exc:  # the ring broke, or a frame cannot be made
                 self._broken(name, exc)
                 return
-        self._enqueue(peer, msg)
+        self._enqueue(peer, msg, size)
 
     def _get_loop(self) -> asyncio.AbstractEventLoop:
         self._loop = asyncio.get_running_loop()
@@ -144,7 +147,7 @@ class Outbox:
         self._reset_scheduled = False
         self._sent_now.clear()
 
-    def _enqueue(self, peer: Peer, msg: wire.Message | _ToRing) -> None:
+    def _enqueue(self, peer: Peer, msg: wire.Message | _ToRing, size: int = 0) -> None:
         if self._closed:
             return
         queue = self._queues.get(peer.name)
@@ -153,6 +156,7 @@ class Outbox:
         if not queue.messages:
             self._dirty.append(queue)
         queue.messages.append(msg)
+        queue.sizes.append(size)
         if not self._scheduled:
             self._scheduled = True
             loop = self._loop or asyncio.get_running_loop()
@@ -164,13 +168,13 @@ class Outbox:
         queue = self._queues.get(peer.name)
         return queue is None or len(queue) < _SEND_LIMIT
 
-    async def send(self, peer: Peer, msg: wire.Message, timeout: float) -> None:
+    async def send(self, peer: Peer, msg: wire.Message, timeout: float, size: int = 0) -> None:
         """Post ``msg``; wait only while too much is queued to ``peer`` (it takes no frames).
 
         Raises:
             PeerUnresponsiveError: the peer took no frame for ``timeout`` seconds.
         """
-        self.post(peer, msg)
+        self.post(peer, msg, size)
         queue = self._queues.get(peer.name)
         if queue is None or len(queue) <= _SEND_LIMIT:
             return  # gone straight out (a ring), or room to spare
@@ -226,6 +230,7 @@ class Outbox:
             queue.error = error
             _close_rings(queue.messages)
             queue.messages.clear()
+            queue.sizes.clear()
             queue.backlog.clear()
             if queue.room is not None:
                 queue.room.set()
@@ -250,25 +255,30 @@ class Outbox:
             if self._queues.get(queue.peer.name) is not queue or not queue.messages:
                 continue
             messages, queue.messages = queue.messages, []
+            sizes, queue.sizes = queue.sizes, []
             try:
-                self._send_all(queue, messages)
+                self._send_all(queue, messages, sizes)
             except OmniwireError as exc:  # its ring broke, or a frame cannot be made
                 self._broken(queue.peer.name, exc)
                 continue
             if not queue.backlog:
                 self._done(queue)
 
-    def _send_all(self, queue: _Queue, messages: list[wire.Message | _ToRing]) -> None:
+    def _send_all(
+        self, queue: _Queue, messages: list[wire.Message | _ToRing], sizes: list[int]
+    ) -> None:
         run: list[wire.Message] = []
-        for item in messages:
+        run_sizes: list[int] = []
+        for item, size in zip(messages, sizes, strict=True):
             if isinstance(item, _ToRing):
-                for frame in _frames(queue.peer, run):
+                for frame in _frames(queue.peer, run, run_sizes):
                     self._send(queue, frame)
-                run = []
+                run, run_sizes = [], []
                 queue.peer.ring_writer = item.writer
             else:
                 run.append(item)
-        for frame in _frames(queue.peer, run):
+                run_sizes.append(size)
+        for frame in _frames(queue.peer, run, run_sizes):
             self._send(queue, frame)
 
     def _send(self, queue: _Queue, frame: bytes) -> None:
@@ -332,23 +342,24 @@ def _ring_send(ring: RingWriter, frame: bytes) -> bool:
     return ring.send_nowait(frame)
 
 
-def _frames(peer: Peer, messages: list[wire.Message]) -> list[bytes]:
+def _frames(peer: Peer, messages: list[wire.Message], sizes: list[int]) -> list[bytes]:
     """The frames for ``messages`` to ``peer``: runs of batchable messages become
     BatchMessages (1.1 peers) of at most ``_BATCH_MAX`` messages and ``_BATCH_BYTES``
-    (by the messages' sizes, before encoding), everything else a frame of its own."""
+    (by the messages' sizes before encoding: a DataReady's charge, given by its poster
+    in ``sizes`` or computed here, bounds it), everything else a frame of its own."""
     version = peer.session.version
     if len(messages) == 1 or version < (1, 1):
         return [_frame(m, version) for m in messages]
     frames: list[bytes] = []
     run: list[wire.BatchedMessage] = []
     size = 0
-    for msg in messages:
+    for msg, known in zip(messages, sizes, strict=True):
         if not isinstance(msg, _BATCHABLE):
             frames += _batch(run, version)
             run, size = [], 0
             frames.append(_frame(msg, version))
             continue
-        cost = wire.charge(msg) if type(msg) is wire.DataReadyMessage else _SMALL
+        cost = known or (wire.charge(msg) if type(msg) is wire.DataReadyMessage else _SMALL)
         if run and (len(run) >= _BATCH_MAX or size + cost > _BATCH_BYTES):
             frames += _batch(run, version)
             run, size = [], 0

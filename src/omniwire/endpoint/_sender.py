@@ -95,11 +95,11 @@ class Sender:
                     peer, route, enc, layout, request_id, kind, meta, traceparent
                 )
                 if peer.window.try_acquire(charge):
-                    core.outbox.post(peer, msg)  # room in its queue: nothing to wait for
+                    core.outbox.post(peer, msg, charge)  # room in its queue: no wait
                     return _carried_inline(peer, request_id, layout, stats)
                 with core.aborts.guard(request_id, target):
                     await self._inline_window(peer, msg, kind, charge)
-                    await core.outbox.send(peer, msg, core.config.ack_timeout)
+                    await core.outbox.send(peer, msg, core.config.ack_timeout, charge)
                 return _carried_inline(peer, request_id, layout, stats)
         with core.aborts.guard(request_id, target):
             peer = await self.peers.wait_ready(target, core.config.handshake_timeout)
@@ -173,7 +173,7 @@ class Sender:
                 peer, route, enc, layout, request_id, kind, meta, traceparent
             )
             await self._inline_window(peer, msg, kind, charge)
-            await self.core.outbox.send(peer, msg, self.core.config.ack_timeout)
+            await self.core.outbox.send(peer, msg, self.core.config.ack_timeout, charge)
             return _carried_inline(peer, request_id, layout, stats)
         stats, chunk_id = self._account(peer, route, request_id, kind)
         return await self._send_object(
@@ -214,7 +214,7 @@ class Sender:
             charge = _fit(msg)
             peer.chunk_ids.pop(request_id, None)
             await self._window(peer, charge)
-            await core.outbox.send(peer, msg, core.config.ack_timeout)
+            await core.outbox.send(peer, msg, core.config.ack_timeout, charge)
 
     def metadata(self, metadata: Any) -> bytes:
         if metadata is None:
@@ -483,7 +483,7 @@ class Sender:
                         if record.export.layout == "packed":
                             await record.export.publish(0, points[0])
                         record.deadline = time.monotonic() + core.config.ack_timeout
-                        core.outbox.post(peer, msg)
+                        core.outbox.post(peer, msg, charge)
                         posted = True
                     finally:
                         if not posted:
