@@ -155,6 +155,17 @@ class Window(_Fifo):
         self.available = min(self.size, self.available + increment)
         self._wake()
 
+    def _wake(self) -> None:
+        """Wake, at once, every waiter at the head that the window lets go (in order:
+        they run in one turn of the event loop, so their messages leave in one batch
+        instead of one frame per turn)."""
+        available = self.available
+        for waiter in self._waiters:
+            if not (waiter.nbytes <= available or available >= self.size):
+                return
+            waiter.event.set()
+            available -= waiter.nbytes
+
 
 class ReceiveWindow:
     """The receiver's side of one peer's window of ``size`` bytes (spec §7.6).
