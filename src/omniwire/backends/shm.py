@@ -144,8 +144,10 @@ class _ForwardRef(_Ref, frozen=True):
     origin: str = ""
 
 
-_hello_decoder = msgspec.msgpack.Decoder(_Hello)
-_ref_decoder = msgspec.msgpack.Decoder(_ForwardRef)
+_hello_decoder = msgspec.msgpack.Decoder(_HelloInfo)  # the 1.1 forms (vectors)
+_ref_decoder = msgspec.msgpack.Decoder(_Ref)
+_forwards_hello_decoder = msgspec.msgpack.Decoder(_Hello)  # what a reader reads
+_forward_ref_decoder = msgspec.msgpack.Decoder(_ForwardRef)
 _encoder = msgspec.msgpack.Encoder()
 
 
@@ -607,7 +609,7 @@ class ShmBackend(ByteBackend):
 
     def accepts(self, peer: PeerInfo) -> str | None:
         try:
-            prefix = _hello_decoder.decode(peer.info).prefix
+            prefix = _forwards_hello_decoder.decode(peer.info).prefix
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             return f"malformed shm hello info: {exc}"
         # A peer may only claim segments of its own process (spec §9.2): the prefix
@@ -625,7 +627,7 @@ class ShmBackend(ByteBackend):
         why = self.accepts(peer)
         if why is not None:
             raise BackendError(f"{peer.name!r}: {why}")
-        hello = _hello_decoder.decode(peer.info)
+        hello = _forwards_hello_decoder.decode(peer.info)
         self._prefixes[peer.key] = hello.prefix
         if hello.forwards:
             self._forwards.add(peer.key)
@@ -679,7 +681,7 @@ class ShmBackend(ByteBackend):
         prefix = self._prefixes.get(peer.key)
         if prefix is None:
             raise BadReferenceError(f"{peer.name!r} did not announce shm in its Hello")
-        r = decode_blob(_ref_decoder, ref, f"shm reference from {peer.name!r}")
+        r = decode_blob(_forward_ref_decoder, ref, f"shm reference from {peer.name!r}")
         if not _NAME.match(r.segment) or not r.segment.startswith(prefix + "-"):
             raise BadReferenceError(
                 f"shm reference from {peer.name!r} names segment {r.segment[:80]!r}, "
