@@ -287,7 +287,7 @@ async def _forward(counts: _scenarios.Counts, step: Callable[[str], None]) -> Sc
             omniwire_peer, summer, f"{base}-c", [*shm, "--routes", f'{{"{me}": "shm"}}']
         )
         children.append(c)
-        routes = json.dumps({me: "shm", summer: "shm"})
+        routes = json.dumps({summer: "shm"})
         b_args = [*shm, "--routes", routes, "--mode", "forward", "--forward-to", summer]
         b_args += ["--peer", f"{summer}={c.info}"]
         b = await anyio.to_thread.run_sync(omniwire_peer, forwarder, f"{base}-b", b_args)
