@@ -359,6 +359,16 @@ def blobs() -> dict[str, msgspec.Struct]:
         "shm_ref_dedicated": shm._Ref(
             segment=f"{SHM_PREFIX}-7", offset=0, size=128, dedicated=True
         ),
+        # forwarding (§9.2): the reader says it reads forwards; the forwarder (this
+        # prefix) names, by its link -3, the memfd another process made as segment 0
+        "shm_hello_forwards": shm._Hello(prefix=SHM_PREFIX, forwards=True),
+        "shm_ref_forward": shm._ForwardRef(
+            segment=f"{SHM_PREFIX}-3",
+            offset=8192,
+            size=128,
+            dedicated=False,
+            origin=f"omniwire-{PID + 1}-5e0d7a11-0",
+        ),
         "cuda_ipc_hello": cuda_ipc.HelloInfo(
             pid=PID, device="GPU-5f2c1a9e-0000-4000-8000-000000000001", release_event=bytes(64)
         ),

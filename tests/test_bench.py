@@ -172,3 +172,15 @@ def test_a_failing_table_row_is_reported_and_the_run_goes_on(
     assert [e["where"] for e in doc["errors"]] == ["table shm zero-copy"]
     assert "injected" in doc["errors"][0]["error"]
     assert "FAILED table shm zero-copy" in text
+
+
+def test_the_forward_scenario_copies_no_byte_on_any_hop(tmp_path: pathlib.Path) -> None:
+    out = tmp_path / "bench.json"
+    code = _cli.main(["--scenarios", "forward", *TINY, "--json", str(out)])
+    doc = json.loads(out.read_text())
+    assert doc["errors"] == [] and code == 0
+    s = doc["scenarios"]["forward"]
+    assert set(s["figures"]) == {"3-stage", "bytes copied per object, all hops"}
+    assert set(s["params"]["bytes_copied_per_hop"].values()) == {0.0}
+    assert s["params"]["bytes_forwarded_by_reference_per_object"] == s["params"]["bytes"]
+    assert s["figures"]["3-stage"]["baseline"] > 0  # the 2-stage chain, same run

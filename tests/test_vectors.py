@@ -239,6 +239,8 @@ def test_blob_vector_matches_its_backend_and_the_schema(path: pathlib.Path) -> N
     hello = "_hello" in path.stem
     if path.stem.endswith("_pieces"):
         decoder = module._pieces_hello_decoder if hello else module._pieces_ref_decoder
+    elif path.stem.endswith(("_forwards", "_forward")):  # shm forwarding (§9.2)
+        decoder = module._forwards_hello_decoder if hello else module._forward_ref_decoder
     else:
         decoder = module._hello_decoder if hello else module._ref_decoder
     data = path.read_bytes()

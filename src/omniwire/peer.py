@@ -8,6 +8,11 @@ It runs one :class:`~omniwire.Endpoint` and answers every delivery:
   an abort with nothing;
 - ``sink``: takes everything, answers nothing (``--delay`` seconds per delivery
   makes it a slow consumer);
+- ``forward``: a middle stage. Every payload from another stage is sent on to
+  ``--forward-to`` (several, comma-separated: one fan-out send) under the same
+  request id and metadata, with ``lend=True`` — a zero-copy delivery (``--zero-copy``)
+  then goes by reference (spec §9.2 "Forwarding") — and released; what comes back
+  from a forward target is relayed to the stage the request came from;
 - ``bench``: answers (as ``echo``) only deliveries whose metadata has ``"echo": True``;
   keeps deliveries whose metadata has ``"hold": True`` unreleased (a zero-copy
   consumer that holds on to an object) until one with ``"drop_held": True`` comes;
@@ -21,7 +26,9 @@ It runs one :class:`~omniwire.Endpoint` and answers every delivery:
 
 In every mode a delivery whose metadata has ``"stats": True`` is answered at once
 with ``{"stats": {backend: [exports, imports]}}`` (metadata ``{"stats": True}``):
-what this endpoint's backends hold, for the conformance suite.
+what this endpoint's backends hold, for the conformance suite; one with
+``"counters": True`` with ``{"counters": {name: int}}`` (the endpoint's counters:
+``bytes_packed``, ``bytes_copied``, ``objects_forwarded``, …).
 
 It prints ``READY <address>`` once listening and exits 0 on SIGTERM or when
 ``--exit-after`` deliveries were handled. Used by the conformance suite and the
@@ -49,7 +56,8 @@ def _parser(prog: str = "python -m omniwire.peer") -> argparse.ArgumentParser:
     p.add_argument("--name", required=True)
     p.add_argument("--address", required=True)
     p.add_argument("--peer", action="append", default=[], help="NAME=ADDRESS")
-    p.add_argument("--mode", choices=["echo", "sink", "bench"], default="echo")
+    p.add_argument("--mode", choices=["echo", "sink", "bench", "forward"], default="echo")
+    p.add_argument("--forward-to", default="", help="forward mode: NAME[,NAME...]")
     p.add_argument("--backends", default=None, help="comma-separated backend names")
     p.add_argument("--backend-options", default="{}", help="JSON {backend: {option: value}}")
     p.add_argument("--routes", default="{}", help="JSON {edge: backend}")
@@ -127,6 +135,38 @@ async def _answer_stats(ep: Endpoint, d: Any) -> None:
         print(f"stats answer failed: {type(exc).__name__}: {exc}", file=sys.stderr)
 
 
+async def _answer_counters(ep: Endpoint, d: Any) -> None:
+    try:
+        await ep.send(
+            d.from_stage,
+            {"counters": dict(ep.counters)},
+            request_id=d.request_id,
+            metadata={"counters": True},
+        )
+    except Exception as exc:
+        print(f"counters answer failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+
+
+async def _forward(ep: Endpoint, d: Any, targets: list[str], origins: dict[str, str]) -> None:
+    """``forward`` mode: a payload goes on to the targets (by reference where it can);
+    what a target sends back goes to the request's origin."""
+    try:
+        if d.from_stage in targets:
+            origin = origins.pop(d.request_id, None)
+            if origin is not None and d.kind == "payload":
+                await ep.send(origin, d.payload, request_id=d.request_id, metadata=d.metadata)
+            return
+        if d.kind != "payload":
+            return
+        origins[d.request_id] = d.from_stage
+        while len(origins) > 4096:  # answers that never came
+            del origins[next(iter(origins))]
+        to: str | list[str] = targets[0] if len(targets) == 1 else targets
+        await ep.send(to, d.payload, request_id=d.request_id, metadata=d.metadata, lend=True)
+    except Exception as exc:
+        print(f"forward failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+
+
 async def _answer_sum(ep: Endpoint, d: Any) -> None:
     """``bench`` mode, metadata ``{"sum": True}``: answer the sum of every element of
     the payload's tensor (the consumer has read every byte), as ``{"sum": float}``."""
@@ -181,6 +221,8 @@ async def run(args: argparse.Namespace) -> int:
                 tg.start_soon(stop_on_signal)
                 held = []
                 tally = Tally()
+                targets = [t for t in args.forward_to.split(",") if t]
+                origins: dict[str, str] = {}
                 async for d in ep:
                     now_ns = time.monotonic_ns()
                     meta = d.metadata if isinstance(d.metadata, dict) else {}
@@ -202,6 +244,13 @@ async def run(args: argparse.Namespace) -> int:
                                 await _answer_tally(ep, d.from_stage, *done)
                         elif meta.get("stats"):
                             await _answer_stats(ep, d)
+                            continue
+                        elif meta.get("counters"):
+                            await _answer_counters(ep, d)
+                            continue
+                        elif args.mode == "forward":
+                            await _forward(ep, d, targets, origins)
+                            handled += 1
                             continue
                         elif args.mode == "bench" and meta.get("sum"):
                             await _answer_sum(ep, d)

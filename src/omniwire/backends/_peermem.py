@@ -6,7 +6,10 @@ A name under /dev/shm is one of two things, and nothing else is opened:
   (what omniwire writes since issue 19). What is opened must be a memfd (on the
   kernel's internal shm mount, the ``st_dev`` of a memfd of our own), owned by our
   uid, named ``<name>`` by its creator (``/proc/self/fd`` shows ``/memfd:<name>``),
-  and sealed against shrinking and growing (``F_SEAL_SHRINK | F_SEAL_GROW``). Its
+  and sealed against shrinking and growing (``F_SEAL_SHRINK | F_SEAL_GROW``) —
+  or, for a *forwarded* reference (``origin``: the peer re-names a sealed memfd of
+  another omniwire segment that it holds, spec §9.2 "Forwarding"), named ``origin``
+  by its creator, every other check unchanged. Its
   size is then fixed for its whole life, so a mapping of it can never fault
   (SIGBUS) whatever the peer does; it may be mapped and viewed in place.
 - a **regular file** in /dev/shm itself (what every 1.1 writer made): opened with
@@ -28,6 +31,7 @@ import functools
 import os
 import re
 import stat
+import struct
 from dataclasses import dataclass
 
 from ..errors import BackendError, BadReferenceError
@@ -40,6 +44,8 @@ __all__ = [
     "memfd_device",
     "open_shared",
     "pread_into",
+    "range_read_locked",
+    "read_lock",
 ]
 
 #: The seals a shared memfd must carry: its size is fixed (Linux's values).
@@ -72,6 +78,8 @@ class Opened:
     fd: int
     size: int
     sealed: bool
+    #: A sealed one's memfd name, given by its creator: ``name``, or a forward's origin.
+    memfd: str = ""
 
     def close(self) -> None:
         if self.fd >= 0:
@@ -79,10 +87,14 @@ class Opened:
             self.fd = -1
 
 
-def open_shared(directory: str, name: str, pid: int, write: bool = False) -> Opened:
+def open_shared(
+    directory: str, name: str, pid: int, write: bool = False, origin: str = ""
+) -> Opened:
     """Open the segment ``name`` of process ``pid`` in ``directory``, checked as the
-    module docstring says; ``write``: read-write (to map it so). Blocking (a few
-    syscalls): call it off the event loop.
+    module docstring says; ``write``: read-write (to map it so); ``origin``: the
+    link is a forward, its memfd named ``origin`` (an omniwire segment name the
+    caller checked) by its creator. Blocking (a few syscalls): call it off the
+    event loop.
 
     Raises:
         BadReferenceError: the name is not a segment ``pid`` may share (a link
@@ -93,7 +105,9 @@ def open_shared(directory: str, name: str, pid: int, write: bool = False) -> Ope
     try:
         st = os.lstat(path)
         if stat.S_ISLNK(st.st_mode):
-            return _open_memfd(path, name, pid, st, write)
+            return _open_memfd(path, origin or name, pid, st, write)
+        if origin:
+            raise BadReferenceError(f"forwarded shared memory {path} is not a link to a memfd")
         flags = (os.O_RDWR if write else os.O_RDONLY) | os.O_NOFOLLOW | os.O_NONBLOCK
         fd = os.open(path, flags | os.O_CLOEXEC)
     except BadReferenceError:
@@ -120,6 +134,8 @@ def open_shared(directory: str, name: str, pid: int, write: bool = False) -> Ope
 
 
 def _open_memfd(path: str, name: str, pid: int, st: os.stat_result, write: bool) -> Opened:
+    # ``name``: what its creator must have named the memfd (the segment, or a
+    # forward's origin)
     target = os.readlink(path)
     m = _LINK.match(target)
     if m is None or int(m.group(1)) != pid or st.st_uid != os.geteuid():
@@ -150,7 +166,7 @@ def _open_memfd(path: str, name: str, pid: int, st: os.stat_result, write: bool)
     except BaseException:
         os.close(fd)
         raise
-    return Opened(name, fd, fst.st_size, sealed=True)
+    return Opened(os.path.basename(path), fd, fst.st_size, sealed=True, memfd=name)
 
 
 def pread_into(fd: int, dest: memoryview, offset: int, what: str) -> None:
@@ -172,3 +188,50 @@ def pread_into(fd: int, dest: memoryview, offset: int, what: str) -> None:
                 f"{offset} were there"
             )
         done += got
+
+
+# Forwarded segments (spec §9.2 "Forwarding"): a reader of a forwarded reference holds
+# a shared (read) open-file-description lock on the object's bytes while it reads
+# them; the segment's creator reuses a slot only once no such lock covers it. OFD
+# locks belong to one open file description (not to the process, as POSIX record
+# locks do), so each hold opens its own, and closing it is the unlock; they are
+# independent of the creator's ``flock``.
+_F_OFD_GETLK = getattr(fcntl, "F_OFD_GETLK", 36)
+_F_OFD_SETLK = getattr(fcntl, "F_OFD_SETLK", 37)
+_FLOCK = struct.Struct("hhqqi4x")  # struct flock on Linux (l_type, l_whence, l_start, l_len, l_pid)
+
+
+def read_lock(fd: int, offset: int, length: int) -> int:
+    """A new descriptor of the file ``fd`` is open on, holding a read lock on bytes
+    ``[offset, offset + length)``; close it to unlock.
+
+    Raises:
+        BackendError: the lock cannot be taken (a writer holds a write lock on it).
+    """
+    try:
+        hold = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as exc:
+        raise BackendError(f"cannot reopen shared memory to hold it: {exc}") from exc
+    try:
+        fcntl.fcntl(
+            hold, _F_OFD_SETLK, _FLOCK.pack(fcntl.F_RDLCK, os.SEEK_SET, offset, max(length, 1), 0)
+        )
+    except OSError as exc:
+        os.close(hold)
+        raise BackendError(
+            f"cannot hold bytes [{offset}, {offset + length}) of shared memory: {exc}"
+        ) from exc
+    return hold
+
+
+def range_read_locked(fd: int, offset: int, length: int) -> bool:
+    """Whether another open file description holds a lock on bytes ``[offset, offset
+    + length)`` of the file ``fd`` is open on (a forward's reader still reads them)."""
+    try:
+        got = fcntl.fcntl(
+            fd, _F_OFD_GETLK, _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, offset, max(length, 1), 0)
+        )
+    except OSError:
+        return False
+    kind: int = _FLOCK.unpack(got)[0]
+    return kind != fcntl.F_UNLCK

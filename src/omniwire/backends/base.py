@@ -222,6 +222,18 @@ class Import:
                 raise BackendError(f"{self.backend.name}: import has no buffer to copy from")
             await copy_range(dest, self.buffer, lo, hi)
 
+    def forward(self, peer: PeerInfo, lo: int, nbytes: int) -> Export | None:
+        """An export that carries bytes ``[lo, lo + nbytes)`` of this object to
+        ``peer`` by reference (the object was delivered zero-copy and is sent on with
+        ``lend=True``), or None (the default): the endpoint packs them as usual. The
+        endpoint keeps this import open, and its object unacknowledged, until the
+        export is released.
+
+        Raises:
+            BackendError: the engine failed.
+        """
+        return None
+
     @property
     def closed(self) -> bool:
         return self._closed

@@ -198,6 +198,8 @@ class SlotPool(Generic[D]):
                 + (f"; raise {self.option}" if self.option else "")
             )
         keepable = self._large(nbytes)
+        if keepable and self._pending:
+            self.reclaim()  # a kept buffer a receiver held may be free again
         if keepable and self._kept_free:
             lease = Lease(self, nbytes, self.capacity, -1, self._kept_free.pop(), True)
             self._live.add(lease)

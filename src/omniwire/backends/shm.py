@@ -40,11 +40,26 @@ Segments are named ``omniwire-<pid>-<token>-<n>``. A segment whose owner died
 the next endpoint that starts, and by the peer that mapped it when that peer
 closes or sees the owner die — so nothing is left in /dev/shm after a SIGKILL.
 
-Hello info (``BackendInfo.info``): msgpack ``{"prefix": "omniwire-<pid>-<token>"}``.
+Forwarding (spec §9.2 "Forwarding"). A tensor this endpoint received zero-copy —
+a view of another process's sealed segment — and sends on with ``lend=True`` goes
+by reference: :meth:`_ShmImport.forward` names the memfd this endpoint holds (a
+descriptor kept with its mapping) by a link of its own, ``<our prefix>-<n>`` →
+``/proc/<our pid>/fd/<dup>``, and the reference says whose memfd it is
+(``origin``, the creator's segment name). The endpoint keeps its upstream delivery
+unacknowledged until the downstream ACK, so the creator does not reuse the slot
+meanwhile. A reader of a forward holds a read lock (an OFD lock, its own open file
+description) on the object's bytes while it reads them, and a creator reuses a
+slot only once no lock covers it (:func:`~._peermem.range_read_locked`): if the
+forwarder dies, the creator's ACK-less release does not hand the slot to a new
+object while a reader downstream still reads it. Forward links of a kept segment
+live as long as its mapping here; of a dedicated one, as long as its forwards.
+
+Hello info (``BackendInfo.info``): msgpack ``{"prefix": "omniwire-<pid>-<token>",
+"forwards": bool}`` (``forwards``: this endpoint reads forwarded references).
 Reference (``BackendRef.info``): msgpack ``{"segment": str, "offset": u64, "size": u64,
-"dedicated": bool}``; a dedicated segment is unmapped by the reader right after use,
-any other (the arena, a kept segment for large objects) stays mapped until the
-peer is gone.
+"dedicated": bool}``, and ``"origin": str`` last for a forward; a dedicated segment
+is unmapped by the reader right after use, any other (the arena, a kept segment for
+large objects) stays mapped until the peer is gone.
 """
 
 from __future__ import annotations
@@ -68,7 +83,16 @@ import torch
 
 from ..errors import BackendClosedError, BackendError, BadReferenceError, ShmFullError
 from ..hostinfo import pid_alive
-from ._peermem import SEALING, SEALS, Opened, open_shared, pread_into
+from ._peermem import (
+    SEALING,
+    SEALS,
+    Opened,
+    OwnerGoneError,
+    open_shared,
+    pread_into,
+    range_read_locked,
+    read_lock,
+)
 from .base import (
     THREAD_COPY_THRESHOLD,
     Availability,
@@ -96,7 +120,15 @@ _MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 
 
 class _HelloInfo(msgspec.Struct, frozen=True):
+    """The Hello info of 1.1 (what a reader that does not read forwards writes)."""
+
     prefix: str
+
+
+class _Hello(_HelloInfo, frozen=True):
+    """The Hello info as omniwire writes it: ``forwards`` last (default false)."""
+
+    forwards: bool = False
 
 
 class _Ref(msgspec.Struct, frozen=True):
@@ -106,8 +138,16 @@ class _Ref(msgspec.Struct, frozen=True):
     dedicated: bool = False
 
 
-_hello_decoder = msgspec.msgpack.Decoder(_HelloInfo)
+class _ForwardRef(_Ref, frozen=True):
+    """A reference with ``origin`` (a forward's), or read with it defaulting to ``""``."""
+
+    origin: str = ""
+
+
+_hello_decoder = msgspec.msgpack.Decoder(_HelloInfo)  # the 1.1 forms (vectors)
 _ref_decoder = msgspec.msgpack.Decoder(_Ref)
+_forwards_hello_decoder = msgspec.msgpack.Decoder(_Hello)  # what a reader reads
+_forward_ref_decoder = msgspec.msgpack.Decoder(_ForwardRef)
 _encoder = msgspec.msgpack.Encoder()
 
 
@@ -115,10 +155,24 @@ class Segment:
     """One mapped shared-memory segment. ``base`` is a uint8 tensor over the mapping,
     which starts at byte ``start`` of the segment (0 unless a range was mapped)."""
 
-    def __init__(self, name: str, size: int, mm: mmap.mmap, fd: int | None, start: int = 0) -> None:
+    def __init__(
+        self,
+        name: str,
+        size: int,
+        mm: mmap.mmap,
+        fd: int | None,
+        start: int = 0,
+        *,
+        sealed: bool = False,
+        origin: str = "",
+    ) -> None:
         self.name = name
         self.size = size
         self.start = start
+        #: A memfd whose size cannot change (a creator's sealed segment, or any mapped one).
+        self.sealed = sealed
+        #: The memfd's name, given by its creator (``name`` unless it came by a forward).
+        self.origin = origin or name
         self._mm: mmap.mmap | None = mm
         self._fd = fd  # kept open by the owner: the memfd itself, or the flock
         # Through numpy, not torch.frombuffer: a numpy array holds a buffer export, so
@@ -174,14 +228,14 @@ class Segment:
             if isinstance(exc, OSError):
                 raise BackendError(f"cannot create shared memory {path}: {exc}") from exc
             raise
-        return cls(name, size, mm, fd)
+        return cls(name, size, mm, fd, sealed=sealed)
 
     @classmethod
     def map(cls, opened: Opened, offset: int = 0, length: int | None = None) -> Segment:
         """Map bytes ``[offset, offset + length)`` (default: all) of a sealed segment
         opened by :func:`open_shared`, read-write, page-aligned, not pre-faulted: only
         the pages the reader touches are ever allocated. The descriptor stays the
-        caller's.
+        caller's; the segment keeps a duplicate (to forward it, and to hold ranges).
 
         Raises:
             BackendError: the range cannot be mapped.
@@ -192,9 +246,15 @@ class Segment:
         stop = min(-(-max(end, start + 1) // mmap.PAGESIZE) * mmap.PAGESIZE, opened.size)
         try:
             mm = mmap.mmap(opened.fd, stop - start, flags=mmap.MAP_SHARED, offset=start)
+            fd = os.dup(opened.fd)
         except (OSError, ValueError, OverflowError) as exc:
             raise BackendError(f"cannot map shared memory {opened.name}: {exc}") from exc
-        return cls(opened.name, opened.size, mm, None, start)
+        return cls(opened.name, opened.size, mm, fd, start, sealed=True, origin=opened.memfd)
+
+    @property
+    def fd(self) -> int | None:
+        """The descriptor kept open with the mapping (None once closed)."""
+        return self._fd
 
     @classmethod
     def attach(cls, name: str, directory: str = SHM_DIR) -> Segment:
@@ -322,12 +382,75 @@ class _ShmExport(Export):
         return _encoder.encode(_Ref(self.segment.name, self.offset, self.nbytes, self.dedicated))
 
     def _release(self) -> None:
+        fd = self.segment.fd
+        if (
+            not self.dedicated
+            and self.segment.sealed
+            and fd is not None
+            and range_read_locked(fd, self.offset, self.nbytes)
+        ):
+            # A reader of a forward of it still reads it (its forwarder is gone: an
+            # ACK would have waited for that reader). Reuse it once the lock is gone.
+            log.info(
+                "shm: a forward's reader still holds %s at %d of %s: kept out of use "
+                "until it lets go",
+                mib(self.nbytes),
+                self.offset,
+                self.segment.name,
+            )
+            self.lease.release_when(
+                lambda: (
+                    self.segment.fd is None
+                    or not range_read_locked(self.segment.fd, self.offset, self.nbytes)
+                )
+            )
+            return
         self.lease.release()
+
+
+class _Link:
+    """A name of ours for a memfd another omniwire process made and we hold (a
+    forward): ``/dev/shm/<our prefix>-<n>`` → ``/proc/<our pid>/fd/<fd>``."""
+
+    __slots__ = ("dedicated", "dropped", "fd", "key", "name", "origin", "users")
+
+    def __init__(self, key: object, name: str, fd: int, origin: str, dedicated: bool) -> None:
+        self.key = key
+        self.name = name
+        self.fd = fd
+        self.origin = origin
+        self.dedicated = dedicated
+        self.users = 0
+        self.dropped = dedicated  # a dedicated one goes with its last forward
+
+
+class _ForwardExport(Export):
+    """Bytes of a segment another process made, forwarded by reference through one
+    of our links (no buffer: nothing is packed). Released at the downstream ACK."""
+
+    def __init__(self, backend: ShmBackend, link: _Link, offset: int, nbytes: int) -> None:
+        super().__init__(backend, nbytes, None)
+        self._shm = backend
+        self.link = link
+        self.offset = offset
+        link.users += 1
+
+    @property
+    def ref(self) -> bytes:
+        link = self.link
+        return _encoder.encode(
+            _ForwardRef(link.name, self.offset, self.nbytes, link.dedicated, link.origin)
+        )
+
+    def _release(self) -> None:
+        self.link.users -= 1
+        self._shm._drop_link_if_done(self.link)
 
 
 class _ShmImport(Import):
     """A view of the peer's sealed segment: of its mapping kept for the peer, or of a
-    mapping of this object's range only (``own``), unmapped when the import closes."""
+    mapping of this object's range only (``own``), unmapped when the import closes.
+    ``hold``: the read lock on its bytes held while it is open (a forward's)."""
 
     def __init__(
         self,
@@ -336,11 +459,31 @@ class _ShmImport(Import):
         nbytes: int,
         view: torch.Tensor,
         own: Segment | None = None,
+        *,
+        segment: Segment | None = None,
+        offset: int = 0,
+        hold: int = -1,
     ) -> None:
         super().__init__(backend, peer, nbytes, buffer=view)
+        self._shm = backend
         self._own = own
+        self.segment = segment if segment is not None else own
+        self.offset = offset
+        self._hold = hold
+
+    def forward(self, peer: PeerInfo, lo: int, nbytes: int) -> Export | None:
+        """Bytes ``[lo, lo + nbytes)`` of this object, by reference to ``peer`` (a
+        forward, spec §9.2), or None: ``peer`` does not read forwards, or we cannot
+        name the memory (closed, empty, not a mapped memfd)."""
+        seg = self.segment
+        if self.closed or seg is None or not seg.sealed or nbytes <= 0:
+            return None
+        return self._shm._forward(self, seg, peer, self.offset + lo, nbytes)
 
     def _close(self) -> None:
+        if self._hold >= 0:
+            os.close(self._hold)  # the unlock
+            self._hold = -1
         if self._own is not None:  # views still alive keep it mapped until collected
             self._own.close()
             self._own = None
@@ -445,6 +588,11 @@ class ShmBackend(ByteBackend):
         # receiver side: peer key -> the segments of it mapped here
         self._mapped: dict[tuple[str, int], dict[str, Segment | Opened]] = {}
         self._prefixes: dict[tuple[str, int], str] = {}
+        # peers that read forwarded references (their Hello says ``forwards``)
+        self._forwards: set[tuple[str, int]] = set()
+        # forwarding: our links to memfds of other processes, by (peer key, segment)
+        # for a kept segment (until it is unmapped here) or by import for a dedicated one
+        self._links: dict[object, _Link] = {}
         self._closed = False
 
     @classmethod
@@ -457,11 +605,11 @@ class ShmBackend(ByteBackend):
         sweep_stale_segments(self.directory)
 
     def hello(self) -> bytes:
-        return _encoder.encode(_HelloInfo(self.prefix))
+        return _encoder.encode(_Hello(self.prefix, forwards=SEALING))
 
     def accepts(self, peer: PeerInfo) -> str | None:
         try:
-            prefix = _hello_decoder.decode(peer.info).prefix
+            prefix = _forwards_hello_decoder.decode(peer.info).prefix
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             return f"malformed shm hello info: {exc}"
         # A peer may only claim segments of its own process (spec §9.2): the prefix
@@ -479,8 +627,10 @@ class ShmBackend(ByteBackend):
         why = self.accepts(peer)
         if why is not None:
             raise BackendError(f"{peer.name!r}: {why}")
-        prefix = _hello_decoder.decode(peer.info).prefix
-        self._prefixes[peer.key] = prefix
+        hello = _forwards_hello_decoder.decode(peer.info)
+        self._prefixes[peer.key] = hello.prefix
+        if hello.forwards:
+            self._forwards.add(peer.key)
 
     def _new_segment(self, size: int) -> Segment:
         name = f"{self.prefix}-{next(self._seq)}"
@@ -531,11 +681,16 @@ class ShmBackend(ByteBackend):
         prefix = self._prefixes.get(peer.key)
         if prefix is None:
             raise BadReferenceError(f"{peer.name!r} did not announce shm in its Hello")
-        r = decode_blob(_ref_decoder, ref, f"shm reference from {peer.name!r}")
+        r = decode_blob(_forward_ref_decoder, ref, f"shm reference from {peer.name!r}")
         if not _NAME.match(r.segment) or not r.segment.startswith(prefix + "-"):
             raise BadReferenceError(
                 f"shm reference from {peer.name!r} names segment {r.segment[:80]!r}, "
                 "which is not one of its own"
+            )
+        if r.origin and (not SEALING or not _NAME.match(r.origin)):
+            raise BadReferenceError(
+                f"shm reference from {peer.name!r} forwards {r.origin[:80]!r}, "
+                "which is not an omniwire segment name"
             )
         if r.size != nbytes or r.offset < 0:
             raise BadReferenceError(
@@ -550,7 +705,7 @@ class ShmBackend(ByteBackend):
             # Read-write, as before: zero-copy views are writable tensors, and a write
             # into a read-only mapping would fault. We never write to it ourselves.
             opened = await anyio.to_thread.run_sync(
-                open_shared, self.directory, r.segment, peer.pid, True
+                open_shared, self.directory, r.segment, peer.pid, True, r.origin
             )
             segments = self._mapped.get(peer.key)  # None: the peer went meanwhile
             held = segments.get(r.segment) if segments is not None else None
@@ -573,10 +728,26 @@ class ShmBackend(ByteBackend):
                 segments[r.segment] = held
         self._check_bounds(peer, r, held.size)
         if isinstance(held, Segment):
-            return _ShmImport(self, peer, r.size, held.view(r.offset, r.size))
+            if held.origin != (r.origin or r.segment):
+                raise BadReferenceError(
+                    f"shm reference from {peer.name!r} says {r.segment} is "
+                    f"{r.origin or r.segment!r}; it is the memfd {held.origin!r}"
+                )
+            hold = self._hold(peer, r, held)
+            return _ShmImport(
+                self,
+                peer,
+                r.size,
+                held.view(r.offset, r.size),
+                segment=held,
+                offset=r.offset,
+                hold=hold,
+            )
+        if r.origin:
+            raise BadReferenceError(f"{r.segment} of {peer.name!r} is not a forwarded memfd")
         return _ReadImport(self, peer, r.size, held, r.offset, own=False)
 
-    def _import_once(self, peer: PeerInfo, r: _Ref, opened: Opened) -> Import:
+    def _import_once(self, peer: PeerInfo, r: _ForwardRef, opened: Opened) -> Import:
         """An object whose segment is not kept here: this import owns the descriptor
         (a plain file) or a mapping of the object's pages only (a sealed one)."""
         if not opened.sealed:
@@ -585,9 +756,70 @@ class ShmBackend(ByteBackend):
             seg = Segment.map(opened, r.offset, r.size)
         finally:
             opened.close()
-        return _ShmImport(self, peer, r.size, seg.view(r.offset, r.size), seg)
+        try:
+            hold = self._hold(peer, r, seg)
+        except BaseException:
+            seg.close()
+            raise
+        return _ShmImport(
+            self, peer, r.size, seg.view(r.offset, r.size), seg, offset=r.offset, hold=hold
+        )
 
-    def _check_bounds(self, peer: PeerInfo, r: _Ref, size: int) -> None:
+    def _hold(self, peer: PeerInfo, r: _ForwardRef, seg: Segment) -> int:
+        """For a forward: a read lock on the object's bytes (spec §9.2 "Forwarding"),
+        taken while the forwarder lives — so if it dies later, the creator sees the
+        lock before it reuses the slot. -1 for anything else."""
+        if not r.origin or seg.fd is None:
+            return -1
+        hold = read_lock(seg.fd, r.offset, r.size)
+        if not pid_alive(peer.pid):
+            os.close(hold)
+            raise OwnerGoneError(f"{peer.name!r} forwarded {r.origin} and is gone")
+        return hold
+
+    # -- forwarding ----------------------------------------------------------------------
+
+    def _forward(
+        self, imp: _ShmImport, seg: Segment, peer: PeerInfo, offset: int, nbytes: int
+    ) -> Export | None:
+        if self._closed or not self.sealed or peer.key not in self._forwards or seg.fd is None:
+            return None
+        dedicated = imp._own is seg
+        key: object = ("own", id(seg)) if dedicated else (imp.peer.key, seg.name)
+        link = self._links.get(key)
+        if link is None:
+            name = f"{self.prefix}-{next(self._seq)}"
+            fd = os.dup(seg.fd)
+            try:
+                os.symlink(f"/proc/{os.getpid()}/fd/{fd}", os.path.join(self.directory, name))
+            except OSError as exc:
+                os.close(fd)
+                log.warning("shm: cannot name %s to forward it (%s); packing it", seg.name, exc)
+                return None
+            link = self._links[key] = _Link(key, name, fd, seg.origin, dedicated)
+        # the object's place in the segment (a range mapping starts at seg.start)
+        return _ForwardExport(self, link, offset, nbytes)
+
+    def _drop_link_if_done(self, link: _Link) -> None:
+        if link.users > 0 or not link.dropped:
+            return
+        if self._links.get(link.key) is link:
+            del self._links[link.key]
+        _unlink_quietly(os.path.join(self.directory, link.name))  # the name first (§9.2)
+        if link.fd >= 0:
+            os.close(link.fd)
+            link.fd = -1
+
+    def _drop_links(self, peer_key: tuple[str, int] | None) -> None:
+        """Our links to the kept segments of ``peer_key`` (None: all) go once unused."""
+        for key, link in list(self._links.items()):
+            if peer_key is None or (isinstance(key, tuple) and key[0] == peer_key):
+                link.dropped = True
+                if peer_key is None:
+                    link.users = 0  # closing: nothing is sent any more
+                self._drop_link_if_done(link)
+
+    def _check_bounds(self, peer: PeerInfo, r: _ForwardRef, size: int) -> None:
         if r.offset + r.size > size:
             raise BadReferenceError(
                 f"shm reference from {peer.name!r} spans [{r.offset}, {r.offset + r.size}) "
@@ -595,6 +827,8 @@ class ShmBackend(ByteBackend):
             )
 
     async def disconnect(self, peer: PeerInfo) -> None:
+        self._forwards.discard(peer.key)
+        self._drop_links(peer.key)
         for held in self._mapped.pop(peer.key, {}).values():
             held.close()
         prefix = self._prefixes.pop(peer.key, None)
@@ -613,6 +847,7 @@ class ShmBackend(ByteBackend):
         if self._closed:
             return
         self._closed = True
+        self._drop_links(None)
         for segments in self._mapped.values():
             for held in segments.values():
                 held.close()
@@ -630,4 +865,5 @@ class ShmBackend(ByteBackend):
         return {
             **self.pool.detail("arena_"),
             "mapped_segments": sum(len(m) for m in self._mapped.values()),
+            "forward_links": len(self._links),
         }

@@ -20,6 +20,7 @@ from typing import Any
 import anyio
 
 from . import _born as _born_mod
+from . import _forward as _forward_mod
 from . import _scenarios, _table
 from . import _slow as _slow_mod
 from ._model import Results, Scenario
@@ -30,7 +31,7 @@ from ._units import MiB, parse_size
 __all__ = ["SCENARIOS", "Options", "main", "run"]
 
 #: in the order they run; ``idle`` first, before anything is sent
-SCENARIOS = ("idle", "echo", "stream", "mix", "shm", "born", "slow", "table")
+SCENARIOS = ("idle", "echo", "stream", "mix", "shm", "born", "forward", "slow", "table")
 SMALL = ("idle", "echo", "stream", "mix")
 
 
@@ -82,6 +83,7 @@ def _steps(opts: Options) -> int:
         "mix": c.mix_rounds + 1,
         "shm": c.shm_rounds + 1,
         "born": c.shm_rounds + 1,
+        "forward": c.shm_rounds + 1,
         "slow": 2,
         "table": _table.steps(
             opts.backends,
@@ -206,6 +208,8 @@ async def run(opts: Options, results: Results) -> Results:
                 await attempt("shm", lambda: _shm(counts, progress.step))
             if "born" in opts.scenarios:
                 await attempt("born", lambda: _born(counts, progress.step))
+            if "forward" in opts.scenarios:
+                await attempt("forward", lambda: _forward(counts, progress.step))
             if "slow" in opts.scenarios:
                 await attempt("slow", lambda: _slow(counts, progress.step))
             if "table" in opts.scenarios:
@@ -264,6 +268,47 @@ async def _born(counts: _scenarios.Counts, step: Callable[[str], None]) -> Scena
         return await _born_mod.born_large(
             ep, "bench-copy", "bench-zero-copy", counts.shm_rounds, counts.shm_reps, step, size
         )
+
+
+async def _forward(counts: _scenarios.Counts, step: Callable[[str], None]) -> Scenario:
+    """A, a summing zero-copy peer C, and a forwarding zero-copy peer B in front of it."""
+    from ..endpoint import Endpoint
+
+    size = 64 * MiB
+    options = json.dumps({"shm": {"arena_size": 2 * size + 8 * MiB}})
+    tag = secrets.token_hex(3)
+    base = ipc_base(tag)
+    me = f"bench-{tag}"
+    summer, forwarder = "bench-sum", "bench-forward"
+    shm = ["--backends", "shm", "--backend-options", options, "--zero-copy"]
+    children: list[Child] = []
+    try:
+        c = await anyio.to_thread.run_sync(
+            omniwire_peer, summer, f"{base}-c", [*shm, "--routes", f'{{"{me}": "shm"}}']
+        )
+        children.append(c)
+        routes = json.dumps({summer: "shm"})
+        b_args = [*shm, "--routes", routes, "--mode", "forward", "--forward-to", summer]
+        b_args += ["--peer", f"{summer}={c.info}"]
+        b = await anyio.to_thread.run_sync(omniwire_peer, forwarder, f"{base}-b", b_args)
+        children.append(b)
+        async with Endpoint(
+            me,
+            address=f"{base}-a",
+            peers={summer: c.info, forwarder: b.info},
+            backends=["shm"],
+            routes={summer: "shm", forwarder: "shm"},
+            backend_options=json.loads(options),
+            ack_timeout=60,
+        ) as ep:
+            for name in (summer, forwarder):
+                await ep.wait_peer(name, 60)
+            return await _forward_mod.forward_chain(
+                ep, forwarder, summer, counts.shm_rounds, counts.shm_reps, step, size
+            )
+    finally:
+        for child in children:
+            await anyio.to_thread.run_sync(child.stop)
 
 
 async def _slow(counts: _scenarios.Counts, step: Callable[[str], None]) -> Scenario:

@@ -194,6 +194,7 @@ class Endpoint(Receiving):
         trace = os.environ.get("OMNIWIRE_TRACE", "") not in ("", "0")
         self._sender = Sender(core, self._peers, trace)
         self._receiver = Receiver(core, self._peers)
+        self._sender.receiver = self._receiver
         self._receiver.deliveries.replier = self
         self._targets = Targets(self._sender)
         self._dispatch = Dispatcher(core, self._peers, self._sender, self._receiver)

@@ -85,11 +85,16 @@ class FanOut:
             routes = [sender.select(peer, info) for peer in peers]
             sharing = self._shared_backends(routes)
             exports: dict[str, SharedExport] = {}
+            forwards: list[SharedExport] = []
             receipts: list[SendReceipt] = []
             try:
                 for peer, route in zip(peers, routes, strict=True):
-                    shared = None
-                    if route.backend in sharing:
+                    shared: SharedExport | None = None
+                    if lend:  # a zero-copy delivery sent on: by reference, each target
+                        shared = sender.forwarded(peer, route, enc.tensors)
+                        if shared is not None:
+                            forwards.append(shared)
+                    if shared is None and route.backend in sharing:
                         shared = exports.get(route.backend)
                         if shared is None:
                             shared = await self._export(peer, route, enc, layout, lend)
@@ -110,7 +115,7 @@ class FanOut:
                         )
                     )
             finally:
-                for shared in exports.values():
+                for shared in (*exports.values(), *forwards):
                     shared.drop()  # the fan-out's own hold: the last ACK releases the buffer
         return receipts
 
@@ -152,4 +157,6 @@ class FanOut:
         assert isinstance(backend, ByteBackend)
         info = self.sender.peers.connected_backend(peer, route.backend)
         export, _ = await export_bytes(backend, info, enc.tensors, layout, lend=lend)
+        if export.buffer is not None:
+            self.sender.core.counters["bytes_packed"] += layout.nbytes
         return SharedExport(export)

@@ -137,6 +137,8 @@ class ObjectReader:
                 tensors = [t.clone() for t in tensors]
         else:
             dest = None if zero_copy else self._landing(imp.buffer, length)
+            if dest is not None:
+                self.core.counters["bytes_copied"] += length
             done = 0
             while done < length:
                 ready = await self._announced_past(peer, record, done)

@@ -15,9 +15,11 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import anyio
+import torch
 
 from .. import codec, packing, wire
 from ..backends.base import ObjectBackend
@@ -483,6 +485,46 @@ class Receiver:
             if loop is not None and not loop.is_closed():
                 loop.call_soon_threadsafe(self._released, peer, record)
             return
+        record.app_released = True
+        if record.holds == 0:
+            self._finish_lent(peer, record)
+
+    # -- forwarding by reference (spec §9.2 "Forwarding") -------------------------------
+
+    def lent_holding(self, tensor: torch.Tensor) -> tuple[Peer, InRecord, int] | None:
+        """The zero-copy delivery, not yet released, whose memory holds all of the
+        (contiguous, CPU) ``tensor``, and where its bytes start in that object."""
+        ptr, nbytes = tensor.data_ptr(), tensor.nbytes
+        for peer in self.peers.all():
+            for record in peer.session.inbound.values():
+                if not record.lent or record.app_released or record.finished:
+                    continue
+                imp = record.imp
+                buf = imp.buffer if imp is not None else None
+                if buf is None or buf.device.type != "cpu":
+                    continue
+                lo = ptr - buf.data_ptr()
+                if lo >= 0 and lo + nbytes <= buf.nbytes:
+                    return peer, record, lo
+        return None
+
+    def hold(self, peer: Peer, record: InRecord) -> Callable[[], None]:
+        """Keep ``record`` unacknowledged (its sender keeps the memory) until the
+        returned callable is called (idempotent): a forward of it is in flight."""
+        record.holds += 1
+        held = True
+
+        def let_go() -> None:
+            nonlocal held
+            if held:
+                held = False
+                record.holds -= 1
+                if record.holds == 0 and record.app_released:
+                    self._finish_lent(peer, record)
+
+        return let_go
+
+    def _finish_lent(self, peer: Peer, record: InRecord) -> None:
         aborted = self.core.aborts.is_aborted(record.request_id)
         self.finish(
             peer, record, "aborted" if aborted else None, "request aborted" if aborted else ""

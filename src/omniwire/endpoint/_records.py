@@ -13,6 +13,7 @@ from __future__ import annotations
 import enum
 import time
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import anyio
@@ -27,7 +28,15 @@ from ..ring import RingReader, RingWriter
 from ..routing import Candidate, Edge, RouteCache
 from ._stats import RouteStats
 
-__all__ = ["ExportShare", "InRecord", "OutRecord", "Peer", "PeerStatus", "SharedExport"]
+__all__ = [
+    "ExportShare",
+    "ForwardedExport",
+    "InRecord",
+    "OutRecord",
+    "Peer",
+    "PeerStatus",
+    "SharedExport",
+]
 
 
 class PeerStatus(enum.Enum):
@@ -111,6 +120,25 @@ class SharedExport:
             self.export.release()
 
 
+class ForwardedExport(SharedExport):
+    """A :class:`SharedExport` of bytes this endpoint received zero-copy and forwards
+    by reference (``Import.forward``): when it is released — the last downstream
+    ACK, NACK, abort or loss — ``let_go`` ends its hold on the upstream object, whose
+    ACK waits for it."""
+
+    __slots__ = ("_let_go",)
+
+    def __init__(self, export: Export, let_go: Callable[[], None]) -> None:
+        super().__init__(export)
+        self._let_go: Callable[[], None] | None = let_go
+
+    def drop(self) -> None:
+        super().drop()
+        if self.users == 0 and self._let_go is not None:
+            let_go, self._let_go = self._let_go, None
+            let_go()
+
+
 class ExportShare:
     """One object's hold on a :class:`SharedExport` (what ``OutRecord.export`` holds)."""
 
@@ -158,6 +186,11 @@ class InRecord(wire.InboundObject):
     refusal: tuple[wire.NackReason, str] | None = None
     #: Handed to the application as a zero-copy delivery (the ACK waits for release).
     lent: bool = False
+    #: Forwards of it by reference in flight (spec §9.2 "Forwarding"): the ACK waits
+    #: for the application's release *and* for each of them to end.
+    holds: int = 0
+    #: The application released the zero-copy delivery.
+    app_released: bool = False
     #: The peer is gone: no ACK will be sent for it.
     orphaned: bool = False
     #: What its DataReady counts against the peer's window (spec §7.6).

@@ -15,7 +15,7 @@ import logging
 import math
 import sys
 import time
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import anyio
 import torch
@@ -42,8 +42,11 @@ from ._buffers import TransportBuffer
 from ._core import Core
 from ._exporting import export_bytes, publish_rest
 from ._peers import PeerTable
-from ._records import OutRecord, Peer, PeerStatus, SharedExport
+from ._records import ForwardedExport, OutRecord, Peer, PeerStatus, SharedExport
 from ._stats import RouteStats
+
+if TYPE_CHECKING:
+    from ._receiver import Receiver
 
 __all__ = ["Kind", "Sender", "payload_info"]
 
@@ -65,6 +68,9 @@ class Sender:
         #: the last released ones (at most 256: a send of one is a clear error)
         self.born: dict[int, TransportBuffer] = {}
         self.released: dict[int, TransportBuffer] = {}
+        #: Where zero-copy deliveries come from, for forwards by reference (set by the
+        #: endpoint; None: nothing is forwarded).
+        self.receiver: Receiver | None = None
 
     # -- the API ---------------------------------------------------------------------
 
@@ -106,16 +112,66 @@ class Sender:
             layout = packing.plan(enc.tensors, enc.paths)
             route = self.select(peer, payload_info(kind, enc.tensors, layout))
             born = self._born(enc.tensors)
-            shared = None
+            shared = forward = None
             if born is not None:
                 lend = lend or born.backend is None  # ordinary memory: lent to the engine
                 shared = born.shared_for(route.backend)  # BufferReleasedError; None: packed
-            receipt = await self.send_routed(
-                peer, route, enc, layout, payload, request_id, kind, meta, lend, traceparent, shared
-            )
+            elif lend:
+                shared = forward = self.forwarded(peer, route, enc.tensors)
+            try:
+                receipt = await self.send_routed(
+                    peer,
+                    route,
+                    enc,
+                    layout,
+                    payload,
+                    request_id,
+                    kind,
+                    meta,
+                    lend,
+                    traceparent,
+                    shared,
+                )
+            finally:
+                if forward is not None:
+                    forward.drop()  # ours: the send's share holds it until its ACK
             if born is not None:
                 born.sent(receipt)
             return receipt
+
+    def forwarded(
+        self, peer: Peer, route: Route, tensors: list[torch.Tensor]
+    ) -> ForwardedExport | None:
+        """An export naming, by reference, the memory of a zero-copy delivery that
+        holds the payload's one tensor (spec §9.2 "Forwarding"), with a hold on that
+        delivery — its ACK waits until the export is released — or None: pack it.
+
+        Only a payload of one contiguous CPU tensor that lies in a delivery not yet
+        released, sent through the backend that delivered it, to a peer that reads
+        forwards, goes by reference. The caller drops the export's first share (its
+        own) once the send has taken one.
+        """
+        receiver = self.receiver
+        if receiver is None or len(tensors) != 1:
+            return None
+        t = tensors[0]
+        if not t.is_cpu or t.nbytes == 0 or not t.is_contiguous():
+            return None
+        found = receiver.lent_holding(t)
+        if found is None:
+            return None
+        upstream, record, lo = found
+        imp = record.imp
+        if imp is None or record.ref.backend != route.backend:
+            return None
+        info = self.peers.connected_backend(peer, route.backend)
+        export = imp.forward(info, lo, t.nbytes)
+        if export is None:
+            return None
+        counters = self.core.counters
+        counters["objects_forwarded"] += 1
+        counters["bytes_forwarded"] += t.nbytes
+        return ForwardedExport(export, receiver.hold(upstream, record))
 
     def _born(self, tensors: list[torch.Tensor]) -> TransportBuffer | None:
         """The transport buffer a payload of one tensor is, if it is one, whole."""
@@ -441,6 +497,8 @@ class Sender:
                 record.export, points = await export_bytes(
                     backend, info, enc.tensors, layout, lend=lend, piece=self._piece(peer, backend)
                 )
+                if record.export.buffer is not None:
+                    core.counters["bytes_packed"] += nbytes  # packed by now, or piece by piece
             else:  # a fan-out packed it once: this target reads the same buffer
                 record.export = shared.share()
                 points = [nbytes]
