@@ -130,3 +130,22 @@ async def test_copy_range_copies_exactly_its_range(nbytes: int) -> None:
     floats = torch.zeros(nbytes // 4)  # not bytes: Tensor.copy_
     await copy_range(floats, src[: nbytes // 4].float(), 1, nbytes // 4)
     assert floats[0] == 0 and torch.equal(floats[1:], src[1 : nbytes // 4].float())
+
+
+@pytest.mark.asyncio
+async def test_a_dropped_copy_mode_delivery_gives_its_receive_buffer_back() -> None:
+    """A copy-mode receiver lands large objects in pooled (warm) buffers. Once the
+    application drops a delivery, nothing of the receiver's keeps it: the next object
+    lands in the same block (before, the receiver kept its last delivery, so objects
+    alternated between two blocks, and the last payload stayed in memory)."""
+    async with _pair(zero_copy=False) as (tx, rx):
+        pool = rx._receiver.reader.pool
+        for i in range(4):
+            with anyio.fail_after(30):
+                t = torch.full((MiB,), i, dtype=torch.int32)  # 4 MiB: a pool block
+                receipt = await tx.send(rx.name, {"t": t}, request_id=f"r{i}")
+                d = await rx.receive()
+                assert torch.equal(d.payload["t"], t)
+                del d
+                await receipt.wait()
+        assert pool.blocks_created == 1
