@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from omniwire import Endpoint
+from omniwire.backends.base import copy_range
 from omniwire.backends.shm import SHM_DIR
 from omniwire.testing.conformance import ipc_address
 
@@ -113,3 +114,38 @@ async def test_plain_segments_are_read_not_mapped(zero_copy: bool) -> None:
                     assert _plain_files(prefix)
                 await receipt.wait()
         assert rx.backend("shm").stats().idle
+
+
+@pytest.mark.parametrize("nbytes", [4096, 3 * MiB], ids=["on-the-loop", "in-a-thread"])
+@pytest.mark.asyncio
+async def test_copy_range_copies_exactly_its_range(nbytes: int) -> None:
+    """A copy-mode landing (``copy_range``): host bytes go by ``memcpy`` (numpy),
+    anything else by ``Tensor.copy_``; either way only ``[lo, hi)`` is written."""
+    src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
+    dest = torch.zeros(nbytes, dtype=torch.uint8)
+    lo, hi = 7, nbytes - 5
+    await copy_range(dest, src, lo, hi)
+    assert torch.equal(dest[lo:hi], src[lo:hi])
+    assert not dest[:lo].any() and not dest[hi:].any()
+    floats = torch.zeros(nbytes // 4)  # not bytes: Tensor.copy_
+    await copy_range(floats, src[: nbytes // 4].float(), 1, nbytes // 4)
+    assert floats[0] == 0 and torch.equal(floats[1:], src[1 : nbytes // 4].float())
+
+
+@pytest.mark.asyncio
+async def test_a_dropped_copy_mode_delivery_gives_its_receive_buffer_back() -> None:
+    """A copy-mode receiver lands large objects in pooled (warm) buffers. Once the
+    application drops a delivery, nothing of the receiver's keeps it: the next object
+    lands in the same block (before, the receiver kept its last delivery, so objects
+    alternated between two blocks, and the last payload stayed in memory)."""
+    async with _pair(zero_copy=False) as (tx, rx):
+        pool = rx._receiver.reader.pool
+        for i in range(4):
+            with anyio.fail_after(30):
+                t = torch.full((MiB,), i, dtype=torch.int32)  # 4 MiB: a pool block
+                receipt = await tx.send(rx.name, {"t": t}, request_id=f"r{i}")
+                d = await rx.receive()
+                assert torch.equal(d.payload["t"], t)
+                del d
+                await receipt.wait()
+        assert pool.blocks_created == 1

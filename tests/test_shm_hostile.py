@@ -308,10 +308,16 @@ async def outcome(
     victim: Victim, m: Mallory, object_id: int, timeout: float = 15
 ) -> tuple[str, str]:
     """What became of Mallory's object: ``("nack", error)``, ``("ack", "")``, or
-    ``("delivered", hex)`` (a zero-copy victim ACKs only when it lets go)."""
+    ``("delivered", hex)`` (a zero-copy victim ACKs only when it lets go).
+
+    An object the victim fails to take comes back twice, on two channels: as the NACK
+    on the wire (§7.4) and as an error delivery to its application (its stdout here).
+    Nothing orders the two, so an error delivery is not an outcome of its own: it
+    waits for the NACK, which must come, and must say what the delivery said."""
+    result: list[tuple[str, str]] = []
+    failed: list[str] = []  # the error delivery's text, when it came first
     with anyio.move_on_after(timeout):
         async with anyio.create_task_group() as tg:
-            result: list[tuple[str, str]] = []
 
             async def ack() -> None:
                 a = await m.ack(object_id, timeout + 1)
@@ -322,14 +328,23 @@ async def outcome(
                 e = await victim.expect(
                     lambda e: e.get("request") == f"evil-{object_id}", timeout + 1
                 )
+                if e.get("kind") == "error":
+                    failed.append(e.get("error") or "")
+                    return  # the NACK decides (the ack task)
                 result.append(("delivered", e.get("data") or ""))
                 tg.cancel_scope.cancel()
 
             tg.start_soon(ack)
             tg.start_soon(delivered)
-        return result[0]
+        what, detail = result[0]
+        if failed:  # an error delivery, then the NACK of the same failure
+            assert what == "nack", f"object {object_id}: an error delivery, then an ACK"
+            assert failed[0].startswith(detail), (failed[0], detail)
+        return what, detail
     raise AssertionError(
-        f"object {object_id}: no ACK and no delivery; the victim: {victim.status()}"
+        f"object {object_id}: no ACK and no delivery"
+        + (f" (an error delivery without its NACK: {failed[0]!r})" if failed else "")
+        + f"; the victim: {victim.status()}"
     )
 
 

@@ -239,9 +239,12 @@ async def run(opts: Options, results: Results) -> Results:
 @contextlib.asynccontextmanager
 async def _shm_pair(size: int) -> AsyncIterator[Any]:
     """Endpoint A with two shm-only bench peers, a copy-mode and a zero-copy one,
-    and an arena that holds two objects of ``size``."""
+    and an arena that holds two objects of ``size``. A pins its sends to shm; the
+    peers route theirs by default, so that an answer (the born scenario's sum, a
+    tensor-less payload) rides inline as any application's would, instead of as an
+    shm object of its own (a pack, an import and an ACK on the path being timed)."""
     options = {"shm": {"arena_size": 2 * size + 8 * MiB}}
-    shm = ["--backends", "shm", "--routes", '{"{me}": "shm"}']
+    shm = ["--backends", "shm"]
     shm += ["--backend-options", json.dumps(options)]
     peers = {"bench-copy": shm, "bench-zero-copy": [*shm, "--zero-copy"]}
     async with _endpoint(

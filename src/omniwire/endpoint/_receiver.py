@@ -133,9 +133,12 @@ class Receiver:
 
     def _charged(self, peer: Peer, charge: int, mark: int) -> None:
         """The message just taken holds ``charge``: on the last delivery it made (given
-        back when that one is taken or dropped), or, if it made none, given back now."""
-        if self._made != mark and self._last is not None:
-            self._last._window = (peer, peer.generation, charge)
+        back when that one is taken or dropped), or, if it made none, given back now.
+        The receiver forgets that delivery here: kept, it would keep its payload (a
+        copy-mode receive buffer: its pool block) alive after the application let go."""
+        last, self._last = self._last, None
+        if self._made != mark and last is not None:
+            last._window = (peer, peer.generation, charge)
         else:
             self.credit(peer, peer.generation, charge)
 
