@@ -553,7 +553,7 @@ async def test_copy_mode_reads_land_in_the_registered_receive_pool_without_a_reg
             data = torch.randint(0, 256, (n,), dtype=torch.uint8)
             out = await _send(a, peer_b, data)
             imp = await b.import_(peer_a, out.ref, n)
-            dest = await b.receive_buffer(n)
+            dest = await b.delivery_buffer(n)
             assert dest is not None and dest.numel() == n
             await imp.fetch(0, n // 3, dest)
             await imp.fetch(n // 3, n, dest)
@@ -578,7 +578,7 @@ async def test_a_read_abandoned_into_a_receive_pool_block_keeps_the_block() -> N
     async with _pair(engine) as (a, b, peer_a, peer_b):
         out = await _send(a, peer_b, torch.ones(4096, dtype=torch.uint8))
         imp = await b.import_(peer_a, out.ref, 4096)
-        dest = await b.receive_buffer(1 << 20)
+        dest = await b.delivery_buffer(1 << 20)
         assert dest is not None
         addr, kept = dest.data_ptr(), weakref.ref(dest)
         await _fetch_until_the_peer_is_lost(b, imp, peer_a, dest=dest)
@@ -587,7 +587,7 @@ async def test_a_read_abandoned_into_a_receive_pool_block_keeps_the_block() -> N
         del dest
         gc.collect()
         assert kept() is not None and addr in engine.registered
-        again = await b.receive_buffer(1 << 20)
+        again = await b.delivery_buffer(1 << 20)
         assert again is not None and again.data_ptr() != addr  # not the abandoned block
         del again
     gc.collect()

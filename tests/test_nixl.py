@@ -532,7 +532,7 @@ async def test_a_read_started_on_the_loop_that_cannot_be_cancelled_quarantines_i
         for i in range(2):
             out = await a.export(_peer_info(b), n, "cpu")
             imp = await b.import_(_peer_info(a), out.ref, n)
-            dest = await b.receive_buffer(n)
+            dest = await b.delivery_buffer(n)
             assert dest is not None
             if i == 0:
                 await imp.fetch(0, n, dest)
@@ -550,7 +550,7 @@ async def test_a_read_started_on_the_loop_that_cannot_be_cancelled_quarantines_i
         assert stuck is not None  # quarantined: referenced, never handed out again
         assert b.stats().detail["quarantined"] == 1
         assert b.stats().detail["recv_pool_registrations"] == 1  # the block was reused once
-        again = await b.receive_buffer(n)
+        again = await b.delivery_buffer(n)
         assert again is not None and again.data_ptr() != stuck.data_ptr()
         assert b.stats().detail["recv_pool_registrations"] == 2
         del again, stuck
@@ -572,7 +572,7 @@ def test_copy_mode_reads_start_on_the_loop_into_the_registered_receive_pool(pair
             data = _pattern(n, 100 + seed)
             out = await _send(pair, data)
             imp = await pair.b.import_(pair.peer_a, out.ref, n)
-            dest = await pair.b.receive_buffer(n)
+            dest = await pair.b.delivery_buffer(n)
             assert dest is not None
             await imp.fetch(0, n // 2, dest)
             await imp.fetch(n // 2, n, dest)

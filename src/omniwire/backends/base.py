@@ -357,7 +357,7 @@ class ByteBackend(BackendBase):
         """
         return None
 
-    async def receive_buffer(self, nbytes: int) -> torch.Tensor | None:
+    async def delivery_buffer(self, nbytes: int) -> torch.Tensor | None:
         """Where a copy-mode delivery of ``nbytes`` may land: a host buffer that the
         engine reads into without a registration per object (from a pool of memory
         registered once), owned by the caller from then on; or None (the default) and

@@ -187,7 +187,7 @@ class ObjectReader:
         if source is not None and source.device.type != "cpu":
             return torch.empty(length, dtype=torch.uint8, device=source.device)
         if isinstance(backend, ByteBackend):
-            registered = await backend.receive_buffer(length)
+            registered = await backend.delivery_buffer(length)
             if registered is not None:
                 return registered
         return self.pool.take(length)

@@ -263,7 +263,7 @@ class MooncakeBackend(ByteBackend):
         self._releaser = Releaser("omniwire-mooncake")
         self._pool: SlotPool[Registered] | None = None
         self._registrations: RegistrationCache[int] | None = None
-        #: Copy-mode receive buffers, registered once per block (receive_buffer).
+        #: Copy-mode receive buffers, registered once per block (delivery_buffer).
         self._recv_pool: RegisteredRecvPool[int] | None = None
         self._peers: dict[tuple[str, int], blobs.PiecesHello] = {}
         self._busy = 0
@@ -468,7 +468,7 @@ class MooncakeBackend(ByteBackend):
 
     # -- receiver ----------------------------------------------------------------------
 
-    async def receive_buffer(self, nbytes: int) -> torch.Tensor | None:
+    async def delivery_buffer(self, nbytes: int) -> torch.Tensor | None:
         """A buffer of the registered receive pool: reads land in it with no
         registration of their own."""
         self._check_open()

@@ -123,7 +123,7 @@ class NixlBackend(ByteBackend):
         self._info = b""
         self._releaser = Releaser("omniwire-nixl")
         self._registrations: RegistrationCache[LentRegistration] | None = None
-        #: Copy-mode receive buffers, registered once per block (receive_buffer).
+        #: Copy-mode receive buffers, registered once per block (delivery_buffer).
         self._recv_pool: RegisteredRecvPool[Registration] | None = None
         #: Waits for READs started on the event loop (see _reading.SpanImport.fetch).
         self._completions = Completions("omniwire-nixl-completions")
@@ -326,7 +326,7 @@ class NixlBackend(ByteBackend):
         pool = self._recv_pool
         return pool is not None and dest.device.type == "cpu" and pool.holds(dest)
 
-    async def receive_buffer(self, nbytes: int) -> torch.Tensor | None:
+    async def delivery_buffer(self, nbytes: int) -> torch.Tensor | None:
         """A buffer of the registered receive pool: READs land in it with no
         registration of their own."""
         self._live_agent()

@@ -198,6 +198,7 @@ class SpanImport(Import):
             return
         if isinstance(error, StuckRead):
             self._quarantine(dest)
+        remote.opened = False  # the next READ reconnects, if need be, in a worker thread
         await nx._recover(remote)
         raise error
 
