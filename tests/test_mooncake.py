@@ -651,3 +651,45 @@ def test_zero_copy_endpoints_round_trip_large_progressive_objects() -> None:
         anyio.run(run)
     finally:
         assert peer.stop() == 0, peer.output
+
+
+@pytest.mark.asyncio
+async def test_copy_mode_deliveries_reuse_one_registered_receive_block() -> None:
+    """Through two endpoints (two "hosts" in this process): each 1 MiB copy-mode
+    delivery lands in the receiving backend's registered receive pool, and the block
+    of one object, once its delivery is dropped, takes the next: one registration for
+    every object."""
+    require_backend("mooncake")
+    tag = secrets.token_hex(3)
+    a_name, b_name = f"rp-a-{tag}", f"rp-b-{tag}"
+    b = Endpoint(
+        b_name,
+        address="tcp://127.0.0.1:0",
+        backends=["mooncake"],
+        routes={a_name: "mooncake"},
+        host_id=f"host-b-{tag}",
+    )
+    async with (
+        b,
+        Endpoint(
+            a_name,
+            address="tcp://127.0.0.1:0",
+            peers={b_name: b.address},
+            backends=["mooncake"],
+            routes={b_name: "mooncake"},
+            host_id=f"host-a-{tag}",
+        ) as a,
+    ):
+        await a.wait_peer(b_name, 30)
+        for i in range(4):
+            t = torch.randint(0, 2**31 - 1, (1 << 18,), dtype=torch.int32)
+            with anyio.fail_after(30):
+                receipt = await a.send(b_name, {"t": t}, request_id=f"r{i}", lend=i % 2 == 1)
+                d = await b.receive()
+                assert d.backend == "mooncake" and torch.equal(d.payload["t"], t)
+                del d
+                gc.collect()  # the delivered tensor dies: its block returns, registered
+                await receipt.wait()
+        detail = b.backend("mooncake").stats().detail
+        assert detail["recv_pool_registrations"] == 1, detail
+        assert detail["recv_pool_bytes"] >= 1 << 20
