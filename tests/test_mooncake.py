@@ -654,11 +654,11 @@ def test_zero_copy_endpoints_round_trip_large_progressive_objects() -> None:
 
 
 @pytest.mark.asyncio
-async def test_copy_mode_deliveries_reuse_one_registered_receive_block() -> None:
+async def test_copy_mode_deliveries_reuse_registered_receive_blocks() -> None:
     """Through two endpoints (two "hosts" in this process): each 1 MiB copy-mode
-    delivery lands in the receiving backend's registered receive pool, and the block
-    of one object, once its delivery is dropped, takes the next: one registration for
-    every object."""
+    delivery lands in the receiving backend's registered receive pool, and a block
+    whose delivery was dropped takes a later object: the registrations stop growing
+    (two blocks alternate: the receiver keeps its last delivery until the next one)."""
     require_backend("mooncake")
     tag = secrets.token_hex(3)
     a_name, b_name = f"rp-a-{tag}", f"rp-b-{tag}"
@@ -681,7 +681,8 @@ async def test_copy_mode_deliveries_reuse_one_registered_receive_block() -> None
         ) as a,
     ):
         await a.wait_peer(b_name, 30)
-        for i in range(4):
+        registrations = []
+        for i in range(6):
             t = torch.randint(0, 2**31 - 1, (1 << 18,), dtype=torch.int32)
             with anyio.fail_after(30):
                 receipt = await a.send(b_name, {"t": t}, request_id=f"r{i}", lend=i % 2 == 1)
@@ -690,6 +691,5 @@ async def test_copy_mode_deliveries_reuse_one_registered_receive_block() -> None
                 del d
                 gc.collect()  # the delivered tensor dies: its block returns, registered
                 await receipt.wait()
-        detail = b.backend("mooncake").stats().detail
-        assert detail["recv_pool_registrations"] == 1, detail
-        assert detail["recv_pool_bytes"] >= 1 << 20
+            registrations.append(b.backend("mooncake").stats().detail["recv_pool_registrations"])
+        assert 1 <= registrations[1] <= 2 and registrations[-1] == registrations[1], registrations
