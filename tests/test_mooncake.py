@@ -594,6 +594,33 @@ async def test_a_read_abandoned_into_a_receive_pool_block_keeps_the_block() -> N
     assert kept() is None and engine.registered == {}
 
 
+class RefusingEngine(StuckEngine):
+    """Refuses registrations once ``refuse`` is set (pinned-memory limits, say)."""
+
+    refuse = False
+
+    def register(self, addr: int, length: int) -> None:
+        if self.refuse:
+            raise BackendError(f"mooncake: register_memory(0x{addr:x}, {length}) failed")
+        super().register(addr, length)
+
+
+@pytest.mark.asyncio
+async def test_a_refused_receive_block_falls_back_to_the_endpoints_buffer(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    engine = RefusingEngine()
+    async with _pair(engine) as (_a, b, _pa, _pb):
+        engine.refuse = True
+        assert await b.delivery_buffer(1 << 20) is None  # not an error: no pool block
+        assert await b.delivery_buffer(1 << 20) is None
+        assert b.stats().detail["recv_pool_refused"] == 2
+        warned = [r for r in caplog.records if "no registered receive buffer" in r.message]
+        assert len(warned) == 1  # said once
+        engine.refuse = False
+    assert engine.registered == {}
+
+
 # -- through endpoints, zero-copy on both ends, two processes ---------------------------
 
 

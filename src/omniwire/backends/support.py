@@ -201,19 +201,12 @@ class HostMemory:
 _PR_SET_TIMERSLACK = 29
 
 
-_slack = threading.local()
-
-
 def _fine_timer_slack(ns: int = 1000) -> None:
-    """Let this thread's sleeps end within ``ns`` of their time (best effort, Linux;
-    once per thread): the default slack, 50 µs, is as long as the pauses between
-    completion checks. Only for :class:`Completions`' own thread: in
+    """Let this thread's sleeps end within ``ns`` of their time (best effort, Linux):
+    the default slack, 50 µs, is as long as the pauses between completion checks. Only for :class:`Completions`' own thread: in
     :func:`poll_until`'s worker threads the more frequent checks cost mooncake about
     0.2–0.4 ms per 1 MiB read on 2 loaded cores (measured), as they contend for the
     GIL and the cores with the engine and the event loop."""
-    if getattr(_slack, "set", False):
-        return
-    _slack.set = True
     with contextlib.suppress(Exception):
         import ctypes
 

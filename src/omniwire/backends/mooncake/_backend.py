@@ -274,7 +274,7 @@ class MooncakeBackend(ByteBackend):
         self._idle = anyio.Event()
         self._idle.set()
         self._closed = False
-        self.counters = {"reads": 0, "bytes_read": 0, "lent": 0}
+        self.counters = {"reads": 0, "bytes_read": 0, "lent": 0, "recv_pool_refused": 0}
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -473,7 +473,15 @@ class MooncakeBackend(ByteBackend):
         registration of their own."""
         self._check_open()
         pool = self._recv_pool
-        return await pool.take_registered(nbytes) if pool is not None else None
+        if pool is None:
+            return None
+        try:
+            return await pool.take_registered(nbytes)
+        except BackendError as exc:  # the endpoint's own buffer, registered per read
+            self.counters["recv_pool_refused"] += 1
+            if self.counters["recv_pool_refused"] == 1:  # once: it says why
+                log.warning("mooncake: no registered receive buffer of %s: %s", mib(nbytes), exc)
+            return None
 
     async def import_(self, peer: PeerInfo, ref: bytes, nbytes: int) -> Import:
         self._check_open()

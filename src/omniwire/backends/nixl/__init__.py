@@ -20,8 +20,9 @@ agent **reads** each announced range ``[lo, hi)`` straight from the sender's slo
 (``initialize_xfer("READ", ...)``, ``transfer``, then ``check_xfer_state`` polled;
 the transfer is released afterwards, always). The first READ from a peer runs in a
 worker thread (:func:`~omniwire.backends.support.poll_until`); once one completed
-(the UCX connection is up), READs into memory registered already (a landing slot,
-a block of the registered receive pool) are created and posted on the event loop
+(the UCX connection is up), READs of at most 16 spans into memory registered
+already (a landing slot, a block of the registered receive pool) are created and
+posted on the event loop
 (posting only queues them for UCX's progress thread) and waited for by the
 backend's :class:`~omniwire.backends.support.Completions` thread, which wakes the
 loop when each ends: no worker thread has to be scheduled before the READ starts. The sender's agent is passive: it learns that

@@ -132,7 +132,13 @@ class NixlBackend(ByteBackend):
         self._active = 0
         self._idle: anyio.Event | None = None
         self._closed = False
-        self.counters = {"reads": 0, "reloads": 0, "dest_registrations": 0, "lent": 0}
+        self.counters = {
+            "reads": 0,
+            "reloads": 0,
+            "dest_registrations": 0,
+            "lent": 0,
+            "recv_pool_refused": 0,
+        }
 
     @classmethod
     def availability(cls) -> Availability:
@@ -333,7 +339,13 @@ class NixlBackend(ByteBackend):
         pool = self._recv_pool
         if pool is None or nbytes < self.register_dest_min:
             return None
-        return await pool.take_registered(nbytes)
+        try:
+            return await pool.take_registered(nbytes)
+        except BackendError as exc:  # the endpoint's own buffer, registered per READ
+            self.counters["recv_pool_refused"] += 1
+            if self.counters["recv_pool_refused"] == 1:  # once: it says why
+                log.warning("nixl: no registered receive buffer of %d bytes: %s", nbytes, exc)
+            return None
 
     def _pool_for(self, device: str) -> _Pool | None:
         if device.startswith("cuda"):
