@@ -509,6 +509,118 @@ async def test_a_read_abandoned_on_peer_loss_keeps_the_callers_dest() -> None:
     assert kept() is None and engine.registered == {}  # aclose let it go
 
 
+# -- the registered receive pool --------------------------------------------------------
+
+
+class CountingEngine:
+    """The process's real engine, counting registrations (the engine seam)."""
+
+    def __init__(self) -> None:
+        from omniwire.backends.mooncake._engine import shared_engine
+
+        self.engine = shared_engine("127.0.0.1", "tcp", "")
+        self.session = self.engine.session
+        self.registered: dict[int, int] = {}
+        self.registrations = 0
+
+    def register(self, addr: int, length: int) -> None:
+        self.engine.register(addr, length)
+        self.registered[addr] = length
+        self.registrations += 1
+
+    def unregister(self, addr: int) -> None:
+        self.engine.unregister(addr)
+        del self.registered[addr]
+
+    def submit_read(self, session: str, local: int, remote: int, length: int) -> int:
+        return self.engine.submit_read(session, local, remote, length)
+
+    def status(self, batch: int) -> int:
+        return self.engine.status(batch)
+
+
+@pytest.mark.asyncio
+async def test_copy_mode_reads_land_in_the_registered_receive_pool_without_a_registration_each() -> (
+    None
+):
+    """Each object used to register its destination before the read and unregister it
+    after: now the receive buffer's block is registered once and reused."""
+    engine = CountingEngine()
+    async with _pair(engine, register_dest=True) as (a, b, peer_a, peer_b):
+        n = 300_000
+        before = None
+        for i in range(4):
+            data = torch.randint(0, 256, (n,), dtype=torch.uint8)
+            out = await _send(a, peer_b, data)
+            imp = await b.import_(peer_a, out.ref, n)
+            dest = await b.delivery_buffer(n)
+            assert dest is not None and dest.numel() == n
+            await imp.fetch(0, n // 3, dest)
+            await imp.fetch(n // 3, n, dest)
+            assert torch.equal(dest, data), i
+            imp.close()
+            out.release()
+            del dest  # the block goes back to the pool, still registered
+            gc.collect()
+            if before is None:
+                before = engine.registrations  # the pools, and the first block
+        assert engine.registrations == before
+        detail = b.stats().detail
+        assert detail["recv_pool_registrations"] == 1 and detail["pool_bytes_in_use"] == 0
+    assert engine.registered == {}  # every block unregistered at aclose
+
+
+@pytest.mark.asyncio
+async def test_a_read_abandoned_into_a_receive_pool_block_keeps_the_block() -> None:
+    """A read that may still land keeps its block out of the pool (referenced) until
+    aclose: the next object must not get it."""
+    engine = StuckEngine()
+    async with _pair(engine) as (a, b, peer_a, peer_b):
+        out = await _send(a, peer_b, torch.ones(4096, dtype=torch.uint8))
+        imp = await b.import_(peer_a, out.ref, 4096)
+        dest = await b.delivery_buffer(1 << 20)
+        assert dest is not None
+        addr, kept = dest.data_ptr(), weakref.ref(dest)
+        await _fetch_until_the_peer_is_lost(b, imp, peer_a, dest=dest)
+        imp.close()
+        out.release()
+        del dest
+        gc.collect()
+        assert kept() is not None and addr in engine.registered
+        again = await b.delivery_buffer(1 << 20)
+        assert again is not None and again.data_ptr() != addr  # not the abandoned block
+        del again
+    gc.collect()
+    assert kept() is None and engine.registered == {}
+
+
+class RefusingEngine(StuckEngine):
+    """Refuses registrations once ``refuse`` is set (pinned-memory limits, say)."""
+
+    refuse = False
+
+    def register(self, addr: int, length: int) -> None:
+        if self.refuse:
+            raise BackendError(f"mooncake: register_memory(0x{addr:x}, {length}) failed")
+        super().register(addr, length)
+
+
+@pytest.mark.asyncio
+async def test_a_refused_receive_block_falls_back_to_the_endpoints_buffer(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    engine = RefusingEngine()
+    async with _pair(engine) as (_a, b, _pa, _pb):
+        engine.refuse = True
+        assert await b.delivery_buffer(1 << 20) is None  # not an error: no pool block
+        assert await b.delivery_buffer(1 << 20) is None
+        assert b.stats().detail["recv_pool_refused"] == 2
+        warned = [r for r in caplog.records if "no registered receive buffer" in r.message]
+        assert len(warned) == 1  # said once
+        engine.refuse = False
+    assert engine.registered == {}
+
+
 # -- through endpoints, zero-copy on both ends, two processes ---------------------------
 
 
@@ -566,3 +678,45 @@ def test_zero_copy_endpoints_round_trip_large_progressive_objects() -> None:
         anyio.run(run)
     finally:
         assert peer.stop() == 0, peer.output
+
+
+@pytest.mark.asyncio
+async def test_copy_mode_deliveries_reuse_registered_receive_blocks() -> None:
+    """Through two endpoints (two "hosts" in this process): each 1 MiB copy-mode
+    delivery lands in the receiving backend's registered receive pool, and a block
+    whose delivery was dropped takes a later object: the registrations stop growing
+    (two blocks alternate: the receiver keeps its last delivery until the next one)."""
+    require_backend("mooncake")
+    tag = secrets.token_hex(3)
+    a_name, b_name = f"rp-a-{tag}", f"rp-b-{tag}"
+    b = Endpoint(
+        b_name,
+        address="tcp://127.0.0.1:0",
+        backends=["mooncake"],
+        routes={a_name: "mooncake"},
+        host_id=f"host-b-{tag}",
+    )
+    async with (
+        b,
+        Endpoint(
+            a_name,
+            address="tcp://127.0.0.1:0",
+            peers={b_name: b.address},
+            backends=["mooncake"],
+            routes={b_name: "mooncake"},
+            host_id=f"host-a-{tag}",
+        ) as a,
+    ):
+        await a.wait_peer(b_name, 30)
+        registrations = []
+        for i in range(6):
+            t = torch.randint(0, 2**31 - 1, (1 << 18,), dtype=torch.int32)
+            with anyio.fail_after(30):
+                receipt = await a.send(b_name, {"t": t}, request_id=f"r{i}", lend=i % 2 == 1)
+                d = await b.receive()
+                assert d.backend == "mooncake" and torch.equal(d.payload["t"], t)
+                del d
+                gc.collect()  # the delivered tensor dies: its block returns, registered
+                await receipt.wait()
+            registrations.append(b.backend("mooncake").stats().detail["recv_pool_registrations"])
+        assert 1 <= registrations[1] <= 2 and registrations[-1] == registrations[1], registrations

@@ -4,9 +4,11 @@ plane), and checks of its own on bare backend instances (two agents in this proc
 from __future__ import annotations
 
 import dataclasses
+import gc
 import os
 import secrets
 import time
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -489,6 +491,102 @@ async def test_a_read_that_cannot_be_cancelled_quarantines_its_memory() -> None:
         await a.aclose()
         await b.aclose()
     assert all(not agent.registered for agent in agents)  # every registration undone
+
+
+class FirstReadAgent(FakeAgent):
+    """Its first READ completes; every later one never ends and cannot be cancelled."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.reads = 0
+
+    def start_read(self, *args: object) -> tuple[object, str]:
+        self.reads += 1
+        return object(), "DONE" if self.reads == 1 else "PROC"
+
+    def release(self, transfer: object) -> None:
+        if self.reads > 1:
+            super().release(transfer)
+
+
+@pytest.mark.asyncio
+async def test_a_read_started_on_the_loop_that_cannot_be_cancelled_quarantines_its_memory() -> None:
+    """Once the first READ from a peer completed (in a worker thread), later READs start
+    on the event loop and end through the completion thread; a stuck one still keeps
+    its memory (a block of the registered receive pool) out of reuse."""
+    agents: list[FirstReadAgent] = []
+
+    def factory(name: str) -> FirstReadAgent:
+        agents.append(FirstReadAgent(name))
+        return agents[-1]
+
+    cls = require_backend("nixl")
+    opts = {"pool_size": 1 << 20, "timeout": 0.05, "agent_factory": factory}
+    a, b = cls(_ctx("fa", **opts)), cls(_ctx("fb", **opts))
+    await a.start()
+    await b.start()
+    try:
+        await b.connect(_peer_info(a))
+        await a.connect(_peer_info(b))
+        n = 1 << 20
+        for i in range(2):
+            out = await a.export(_peer_info(b), n, "cpu")
+            imp = await b.import_(_peer_info(a), out.ref, n)
+            dest = await b.delivery_buffer(n)
+            assert dest is not None
+            if i == 0:
+                await imp.fetch(0, n, dest)
+                assert b.stats().detail["reads_on_loop"] == 0  # the first: in a thread
+            else:
+                kept = weakref.ref(dest)
+                with pytest.raises(BackendError, match="could not be cancelled"):
+                    await imp.fetch(0, n, dest)
+                assert b.stats().detail["reads_on_loop"] == 1
+            imp.close()
+            out.release()
+            del dest
+            gc.collect()
+        stuck = kept()
+        assert stuck is not None  # quarantined: referenced, never handed out again
+        assert b.stats().detail["quarantined"] == 1
+        assert b.stats().detail["recv_pool_registrations"] == 1  # the block was reused once
+        again = await b.delivery_buffer(n)
+        assert again is not None and again.data_ptr() != stuck.data_ptr()
+        assert b.stats().detail["recv_pool_registrations"] == 2
+        del again, stuck
+    finally:
+        await a.aclose()
+        await b.aclose()
+    assert all(not agent.registered for agent in agents)  # every registration undone
+
+
+def test_copy_mode_reads_start_on_the_loop_into_the_registered_receive_pool(pair: _Pair) -> None:
+    """After a peer's first READ, copy-mode READs of large objects start on the event
+    loop (no worker thread) into blocks of the registered receive pool (no
+    registration of the destination per object)."""
+
+    async def run() -> tuple[Any, Any]:
+        n = 1 << 20
+        start = pair.b.stats().detail
+        for seed in range(4):
+            data = _pattern(n, 100 + seed)
+            out = await _send(pair, data)
+            imp = await pair.b.import_(pair.peer_a, out.ref, n)
+            dest = await pair.b.delivery_buffer(n)
+            assert dest is not None
+            await imp.fetch(0, n // 2, dest)
+            await imp.fetch(n // 2, n, dest)
+            assert torch.equal(dest, data), seed
+            imp.close()
+            out.release()
+            del dest
+            gc.collect()
+        return start, pair.b.stats().detail
+
+    start, end = pair.call(run)
+    assert end["dest_registrations"] == start["dest_registrations"]  # none per object
+    assert end["recv_pool_registrations"] - start["recv_pool_registrations"] <= 1
+    assert end["reads_on_loop"] - start["reads_on_loop"] >= 7  # all but the first, maybe
 
 
 def test_agent_seam_is_what_nixl_agent_implements() -> None:

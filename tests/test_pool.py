@@ -15,9 +15,12 @@ from hypothesis import strategies as st
 
 from omniwire.backends.pool import Lease, SlotPool
 from omniwire.backends.support import (
+    Completions,
     HostMemory,
+    RegisteredRecvPool,
     RegistrationCache,
     Releaser,
+    TransferAbandonedError,
     TransferTimeoutError,
     check_range,
     poll_until,
@@ -266,3 +269,144 @@ def test_poll_until_never_sleeps_past_a_32nd_of_the_wait_so_far(
             s,
         )
     assert now[0] - 0.05 <= max(support.POLL_MIN_S, 0.05 / 32) * 1.05  # the overshoot
+
+
+# -- Completions: transfers started on the loop, their ends signalled to it -------------
+
+
+def _completion_threads(name: str) -> int:
+    return sum(1 for t in threading.enumerate() if t.name == name)
+
+
+@pytest.mark.asyncio
+async def test_completions_wake_each_waiter_when_its_transfer_ends() -> None:
+    """Many waits share one thread (no worker thread per transfer), each ends as soon
+    as its own ``done()`` turns true, in whatever order."""
+    completions = Completions("test-completions-a")
+    flags = [threading.Event() for _ in range(8)]
+    ended: list[int] = []
+
+    async def wait(i: int) -> None:
+        await completions.wait(flags[i].is_set, timeout=10, what=f"t{i}")
+        ended.append(i)
+
+    try:
+        async with anyio.create_task_group() as tg:
+            for i in range(8):
+                tg.start_soon(wait, i)
+            await anyio.sleep(0.05)
+            assert ended == [] and len(completions) == 8
+            assert _completion_threads("test-completions-a") == 1
+            for i in reversed(range(8)):
+                started = time.monotonic()
+                flags[i].set()
+                while i not in ended:
+                    await anyio.sleep(0.001)
+                assert time.monotonic() - started < 0.5
+        assert ended == list(reversed(range(8))) and completions.waited == 8
+    finally:
+        await anyio.to_thread.run_sync(completions.stop)
+    assert _completion_threads("test-completions-a") == 0
+
+
+@pytest.mark.asyncio
+async def test_completions_raise_the_transfers_failure_timeout_or_abandonment() -> None:
+    completions = Completions("test-completions-b")
+
+    def fails() -> bool:
+        raise BackendError("engine: read failed (code -1)")
+
+    gone = threading.Event()
+    try:
+        with pytest.raises(BackendError, match="code -1"):
+            await completions.wait(fails, timeout=10, what="x")
+        with pytest.raises(TransferTimeoutError, match=r"slow did not finish within 0\.05 s"):
+            await completions.wait(lambda: False, timeout=0.05, what="slow")
+        gone.set()
+        with pytest.raises(TransferAbandonedError, match="lost was cancelled"):
+            await completions.wait(lambda: False, timeout=10, what="lost", cancelled=gone.is_set)
+    finally:
+        await anyio.to_thread.run_sync(completions.stop)
+    with pytest.raises(BackendClosedError):
+        await completions.wait(lambda: True, timeout=1, what="after stop")
+
+
+@pytest.mark.asyncio
+async def test_a_completion_wait_outlives_its_cancellation_like_a_worker_thread() -> None:
+    """Memory under a transfer must not be reused before the engine is done with it:
+    a cancelled waiter still waits for the end, then sees the cancellation."""
+    completions = Completions("test-completions-c")
+    done = threading.Event()
+    returned_after: list[bool] = []
+    try:
+        scope = anyio.CancelScope()
+
+        async def cancel_soon() -> None:
+            await anyio.sleep(0.05)
+            scope.cancel()
+            await anyio.sleep(0.1)
+            done.set()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(cancel_soon)
+            with scope:
+                await completions.wait(done.is_set, timeout=10, what="x")
+                returned_after.append(done.is_set())
+                await anyio.sleep(1)  # the pending cancellation lands here
+        assert scope.cancel_called and scope.cancelled_caught and returned_after == [True]
+    finally:
+        await anyio.to_thread.run_sync(completions.stop)
+
+
+# -- RegisteredRecvPool: receive buffers registered once per block ------------------------
+
+
+class Registrar:
+    def __init__(self) -> None:
+        self.live: dict[int, int] = {}
+        self.calls = 0
+
+    def register(self, addr: int, nbytes: int) -> int:
+        self.calls += 1
+        self.live[addr] = nbytes
+        return addr
+
+    def unregister(self, addr: int) -> None:
+        del self.live[addr]
+
+
+@pytest.mark.asyncio
+async def test_a_registered_receive_pool_registers_each_block_once() -> None:
+    engine, releaser = Registrar(), Releaser("test-recv-pool")
+    pool = RegisteredRecvPool(
+        engine.register, engine.unregister, releaser, max_idle_bytes=3 << 20, min_nbytes=4096
+    )
+    try:
+        assert await pool.take_registered(100) is None  # small: the caller's own memory
+        addrs = set()
+        for i in range(5):
+            t = await pool.take_registered((1 << 20) - i)  # one size class
+            assert t is not None and t.numel() == (1 << 20) - i and pool.holds(t)
+            assert not pool.holds(t[1:]) and not pool.holds(torch.empty(1 << 20, dtype=torch.uint8))
+            t.fill_(i)
+            addrs.add(t.data_ptr())
+            del t  # the block comes back, still registered
+        assert len(addrs) == 1 and engine.calls == 1 and pool.registrations == 1
+        # blocks beyond the idle limit are unregistered when they come back
+        held = [await pool.take_registered(1 << 20) for _ in range(5)]
+        assert engine.calls == 5 and len(engine.live) == 5
+        del held
+        assert releaser.wait_idle()
+        assert len(engine.live) == 3 and pool.idle_bytes == 3 << 20
+        in_use = await pool.take_registered(1 << 20)
+        assert in_use is not None
+        handles = pool.close_registered()
+        assert sorted(handles) == sorted(engine.live)  # idle and in use alike
+        for h in handles:
+            engine.unregister(h)
+        pool.clear()
+        assert await pool.take_registered(1 << 20) is None  # closed
+        del in_use  # comes back after close: dropped, not pooled nor unregistered again
+        assert pool.idle_bytes == 0 and engine.live == {}
+    finally:
+        releaser.stop()

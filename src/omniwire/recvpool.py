@@ -18,10 +18,10 @@ import weakref
 import numpy as np
 import torch
 
-__all__ = ["RecvPool"]
+__all__ = ["RecvPool", "size_class"]
 
 
-def _size_class(nbytes: int) -> int:
+def size_class(nbytes: int) -> int:
     """Round up to 2**k * (1, 1.25, 1.5 or 1.75): at most 25 % slack."""
     top = 1 << (nbytes - 1).bit_length()
     quarter = top // 8
@@ -47,15 +47,27 @@ class RecvPool:
         """A writable 1-D uint8 tensor of exactly ``nbytes``, owned by the caller."""
         if nbytes < self.min_nbytes:
             return torch.empty(nbytes, dtype=torch.uint8)
-        size = _size_class(nbytes)
+        size = size_class(nbytes)
+        block = self._pop_idle(size)
+        if block is None:
+            block = self._new_block(size)
+        return self._wrap(block, size, nbytes)
+
+    def _pop_idle(self, size: int) -> mmap.mmap | None:
         with self._lock:
             blocks = self._idle.get(size)
             block = blocks.pop() if blocks else None
             if block is not None:
                 self._idle_bytes -= size
-        if block is None:
-            block = mmap.mmap(-1, size)
-            self.blocks_created += 1
+        return block
+
+    def _new_block(self, size: int) -> mmap.mmap:
+        self.blocks_created += 1
+        return mmap.mmap(-1, size)
+
+    def _wrap(self, block: mmap.mmap, size: int, nbytes: int) -> torch.Tensor:
+        """A tensor of ``nbytes`` at the start of ``block``; the block comes back (see
+        :meth:`_give_back`) when the last tensor viewing it is collected."""
         array = np.frombuffer(block, dtype=np.uint8, count=nbytes)
         weakref.finalize(array, self._give_back, block, size)
         return torch.from_numpy(array)

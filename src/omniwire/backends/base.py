@@ -370,6 +370,17 @@ class ByteBackend(BackendBase):
         """
         return None
 
+    async def delivery_buffer(self, nbytes: int) -> torch.Tensor | None:
+        """Where a copy-mode delivery of ``nbytes`` may land: a host buffer that the
+        engine reads into without a registration per object (from a pool of memory
+        registered once), owned by the caller from then on; or None (the default) and
+        the endpoint takes one of its own.
+
+        Raises:
+            BackendError: the engine refused to register new memory.
+        """
+        return None
+
 
 class ObjectBackend(BackendBase):
     """A backend that hands Python objects over inside one process (layout ``object``)."""

@@ -13,7 +13,7 @@ import anyio
 import torch
 
 from .. import codec, packing, wire
-from ..backends.base import THREAD_COPY_THRESHOLD, BackendBase, ObjectBackend
+from ..backends.base import THREAD_COPY_THRESHOLD, BackendBase, ByteBackend, ObjectBackend
 from ..digest import digest_of_async
 from ..errors import (
     BackendError,
@@ -136,7 +136,7 @@ class ObjectReader:
             if not zero_copy:
                 tensors = [t.clone() for t in tensors]
         else:
-            dest = None if zero_copy else self._landing(imp.buffer, length)
+            dest = None if zero_copy else await self._landing(backend, imp.buffer, length)
             if dest is not None:
                 self.core.counters["bytes_copied"] += length
             done = 0
@@ -180,11 +180,18 @@ class ObjectReader:
                 )
         return record.ready
 
-    def _landing(self, source: torch.Tensor | None, length: int) -> torch.Tensor:
+    async def _landing(
+        self, backend: BackendBase, source: torch.Tensor | None, length: int
+    ) -> torch.Tensor:
         """Where a copy-mode delivery lands: the receiving GPU when the backend
-        delivers to one, else a warm host buffer from the pool."""
+        delivers to one, else a warm host buffer: the backend's registered one
+        (:meth:`~omniwire.backends.base.ByteBackend.receive_buffer`), or ours."""
         if source is not None and source.device.type != "cpu":
             return torch.empty(length, dtype=torch.uint8, device=source.device)
+        if isinstance(backend, ByteBackend):
+            registered = await backend.delivery_buffer(length)
+            if registered is not None:
+                return registered
         return self.pool.take(length)
 
     def close(self) -> None:

@@ -91,11 +91,13 @@ class Sender:
         enc = codec.dumps(payload, allow_pickle=core.config.allow_pickle)
         meta = self.metadata(metadata)
         peer = self.peers.get(target)
+        ready: tuple[Peer, packing.PackPlan, Route] | None = None
         if peer is not None and peer.status is PeerStatus.READY:
             # The fast path: a small payload to a ready peer with room in its queue waits
             # for nothing, so it needs no guard and no trip around the event loop.
             layout = packing.plan(enc.tensors, enc.paths)
             route = self.select(peer, payload_info(kind, enc.tensors, layout))
+            ready = (peer, layout, route)
             if route.backend == INLINE.name and core.outbox.has_room(peer):
                 stats, msg, charge = self._inline(
                     peer, route, enc, layout, request_id, kind, meta, traceparent
@@ -109,8 +111,11 @@ class Sender:
                 return _carried_inline(peer, request_id, layout, stats)
         with core.aborts.guard(request_id, target):
             peer = await self.peers.wait_ready(target, core.config.handshake_timeout)
-            layout = packing.plan(enc.tensors, enc.paths)
-            route = self.select(peer, payload_info(kind, enc.tensors, layout))
+            if ready is not None and ready[0] is peer:  # still the session it was routed for
+                layout, route = ready[1], ready[2]
+            else:
+                layout = packing.plan(enc.tensors, enc.paths)
+                route = self.select(peer, payload_info(kind, enc.tensors, layout))
             born = self._born(enc.tensors)
             shared = forward = None
             if born is not None:

@@ -29,11 +29,23 @@ Where the receiver reads into:
 
 - zero-copy (no ``dest``): a slot of its own registered pool (or a dedicated
   registered buffer); the delivered tensors view it until the import is closed;
-- copy mode (``dest`` given): by default (``register_dest``, on for ``tcp``) the
+- copy mode, the endpoint's receive buffer: a block of the backend's **registered
+  receive pool** (:meth:`MooncakeBackend.delivery_buffer`,
+  :class:`~omniwire.backends.support.RegisteredRecvPool`): each block is registered
+  once, when it is made, and reused for later objects (it comes back when the last
+  delivered tensor viewing it is collected), so a read needs no registration of its
+  own (register + unregister cost about 40 µs on tcp, more on rdma, where it pins
+  pages). Up to ``recv_pool_idle`` bytes of idle blocks are kept; beyond, a block
+  coming back is unregistered and unmapped.
+- copy mode, any other ``dest``: by default (``register_dest``, on for ``tcp``) the
   destination range itself is registered for the read and unregistered after it,
   about 10 µs on tcp against 5–9 ms for an extra copy of 64 MiB. With
-  ``register_dest=False`` (the default for ``rdma``, where registering pins pages)
-  the bytes are read into an own registered slot and copied into ``dest``.
+  ``register_dest=False`` (the default for ``rdma``) the bytes are read into an own
+  registered slot and copied into ``dest``.
+
+Reads are submitted and waited for in one worker-thread call, not on the event
+loop: the engine's tcp transport connects to the peer inside its submit call
+(``getConnection``), which blocks while a link is down.
 
 Blob formats: see :mod:`omniwire.backends.mooncake._blobs`.
 
@@ -42,6 +54,8 @@ default, or ``"rdma"``); ``device_name`` (RDMA device filter, e.g. ``"mlx5_0"``;
 empty: the engine discovers); ``host`` (the address peers reach this engine at;
 default: the host of the endpoint's address, 127.0.0.1 for ``ipc://`` and
 ``tcp://*``); ``pool_size`` (bytes, default 64 MiB); ``register_dest`` (above);
+``recv_pool_idle`` (bytes of idle registered receive buffers kept, default 256 MiB;
+0: no registered receive pool);
 ``timeout`` (seconds a single read may take before it is abandoned; default 60,
 plus 1 s per 100 MB); ``engine`` (an :class:`Engine` object to use instead).
 

@@ -24,6 +24,7 @@ from ..base import (
 from ..pool import Lease, SlotPool
 from ..support import (
     LentExport,
+    RegisteredRecvPool,
     RegistrationCache,
     Releaser,
     TransferAbandonedError,
@@ -34,7 +35,7 @@ from ..support import (
 )
 from . import _blobs as blobs
 from ._engine import Engine, import_error, read, shared_engine
-from ._memory import Registered, new_pool, registration_cache
+from ._memory import Registered, new_pool, recv_pool, registration_cache
 
 __all__ = ["MooncakeBackend"]
 
@@ -93,9 +94,10 @@ class _Import(Import):
         check_range(lo, hi, self.nbytes, "mooncake")
         if hi == lo:
             return
+        held = dest is not None and mc._recv_pool is not None and mc._recv_pool.holds(dest)
         direct = (
             dest is not None
-            and mc.register_dest
+            and (mc.register_dest or held)
             and dest.device.type == "cpu"
             and dest.dtype == torch.uint8
             and dest.dim() == 1
@@ -108,7 +110,7 @@ class _Import(Import):
             if direct:
                 assert dest is not None
                 local = dest[lo:hi].data_ptr() - lo
-                await self._read(engine, local, lo, hi, register=True, dest=dest)
+                await self._read(engine, local, lo, hi, register=not held, dest=dest)
             else:
                 landing = self.landing
                 if landing is None:
@@ -144,7 +146,14 @@ class _Import(Import):
         dest: torch.Tensor | None = None,
     ) -> None:
         """Read bytes ``[lo, hi)`` of the object to ``local + lo`` and onwards (into
-        ``dest``'s memory when ``register``: then an abandoned read keeps ``dest``)."""
+        ``dest``'s memory, registered for this read when ``register``; an abandoned
+        read keeps ``dest``).
+
+        Registration (none for memory registered already: the landing slot, the
+        registered receive pool's blocks), reads and the wait for them are one
+        worker-thread call. (Not submitted on the event loop: the TCP transport
+        connects to the peer inside its submit call, which blocks while a link is
+        down.)"""
         reads = []
         for at, remote, length in self.spans:
             a, b = max(lo, at), min(hi, at + length)
@@ -152,13 +161,17 @@ class _Import(Import):
                 reads.append((local + a, remote + (a - at), b - a))
         timeout = self.mc.timeout + (hi - lo) / 100e6
         peer = self.peer
+        mc = self.mc
+
+        def lost() -> bool:
+            return peer.key not in mc._peers
 
         def run() -> None:
             if register:
                 engine.register(local + lo, hi - lo)
             landed = False
             try:
-                read(engine, self.session, reads, timeout, lambda: peer.key not in self.mc._peers)
+                read(engine, self.session, reads, timeout, lost)
                 landed = True
             except (TransferTimeoutError, TransferAbandonedError):
                 raise  # it may still land: the memory stays registered, see _abandoned
@@ -172,9 +185,10 @@ class _Import(Import):
         try:
             await anyio.to_thread.run_sync(run)
         except (TransferTimeoutError, TransferAbandonedError) as exc:
-            if register and dest is not None:
-                # the caller's memory: kept referenced (so not reused) and registered
-                self.mc._abandoned.append((dest, local + lo))
+            if dest is not None:
+                # the caller's memory: kept referenced (so not reused), and registered
+                # if registered for this read
+                mc._abandoned.append((dest, local + lo if register else None))
             raise type(exc)(
                 f"{exc} (peer {peer.name!r}, bytes [{lo}, {hi}) of a {self.nbytes}-byte object)"
             ) from None
@@ -196,7 +210,8 @@ class _Import(Import):
 
 class MooncakeBackend(ByteBackend):
     """Options: ``protocol`` ("tcp" | "rdma"), ``device_name``, ``host``, ``pool_size``
-    (bytes, default 64 MiB), ``register_dest`` (bool), ``timeout`` (s), ``engine`` (an
+    (bytes, default 64 MiB), ``register_dest`` (bool), ``recv_pool_idle`` (bytes of idle
+    registered receive buffers kept, default 256 MiB; 0: none), ``timeout`` (s), ``engine`` (an
     :class:`~omniwire.backends.mooncake.Engine` to use instead of the process's
     Mooncake engine). See the package docstring."""
 
@@ -226,12 +241,19 @@ class MooncakeBackend(ByteBackend):
             self.pool_size = int(opts.get("pool_size", 64 << 20))
             self.register_dest = bool(opts.get("register_dest", self.protocol == "tcp"))
             self.timeout = float(opts.get("timeout", 60.0))
+            self.recv_pool_idle = int(opts.get("recv_pool_idle", 256 << 20))
         except (TypeError, ValueError) as exc:
             raise BackendError(f"mooncake: bad options {dict(opts)!r}: {exc}") from None
-        if not self.protocol or not self.host or self.pool_size < 0 or self.timeout <= 0:
+        if (
+            not self.protocol
+            or not self.host
+            or self.pool_size < 0
+            or self.timeout <= 0
+            or self.recv_pool_idle < 0
+        ):
             raise BackendError(
                 f"mooncake: bad options {dict(opts)!r} (protocol and host must be non-empty, "
-                "pool_size >= 0, timeout > 0)"
+                "pool_size >= 0, recv_pool_idle >= 0, timeout > 0)"
             )
         self._given_engine = engine if engine is not None else opts.get("engine")
         self._engine: Engine | None = None
@@ -241,15 +263,18 @@ class MooncakeBackend(ByteBackend):
         self._releaser = Releaser("omniwire-mooncake")
         self._pool: SlotPool[Registered] | None = None
         self._registrations: RegistrationCache[int] | None = None
+        #: Copy-mode receive buffers, registered once per block (delivery_buffer).
+        self._recv_pool: RegisteredRecvPool[int] | None = None
         self._peers: dict[tuple[str, int], blobs.PiecesHello] = {}
         self._busy = 0
         #: Callers' memory that abandoned reads (timeout, peer lost) may still write:
-        #: (the tensor, kept so it is not reused; its registered address) until aclose.
-        self._abandoned: list[tuple[torch.Tensor, int]] = []
+        #: (the tensor, kept so it is not reused; its address if registered for that
+        #: read) until aclose.
+        self._abandoned: list[tuple[torch.Tensor, int | None]] = []
         self._idle = anyio.Event()
         self._idle.set()
         self._closed = False
-        self.counters = {"reads": 0, "bytes_read": 0, "lent": 0}
+        self.counters = {"reads": 0, "bytes_read": 0, "lent": 0, "recv_pool_refused": 0}
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -305,6 +330,8 @@ class MooncakeBackend(ByteBackend):
             self._region, self._pool_addr = region, region.addr
         self._engine, self._pool = engine, pool
         self._registrations = registration_cache(engine, self._releaser)
+        if self.recv_pool_idle > 0:
+            self._recv_pool = recv_pool(engine, self._releaser, self.recv_pool_idle)
         self._hello = blobs.encode(
             blobs.PiecesHello(
                 engine.session, self.protocol, self._pool_addr, pool.capacity, pieces=True
@@ -342,8 +369,10 @@ class MooncakeBackend(ByteBackend):
         if self._pool is not None:
             await self._pool.aclose()
         cached = self._registrations.clear() if self._registrations is not None else []
-        cached += [addr for _, addr in self._abandoned]
-        self._abandoned.clear()
+        cached += [addr for _, addr in self._abandoned if addr is not None]
+        recv, self._recv_pool = self._recv_pool, None
+        if recv is not None:
+            cached += recv.close_registered()
         region, self._region = self._region, None
 
         def teardown() -> None:
@@ -358,8 +387,11 @@ class MooncakeBackend(ByteBackend):
             # reading this memory through it, so it is emptied and kept, not unmapped.
             if region is not None:
                 region.release()
+            if recv is not None:
+                recv.clear()
 
         await anyio.to_thread.run_sync(teardown)
+        self._abandoned.clear()
 
     def detail(self) -> dict[str, int]:
         pool = self._pool.detail() if self._pool is not None else {}
@@ -368,6 +400,8 @@ class MooncakeBackend(ByteBackend):
             **pool,
             "reads_in_flight": self._busy,
             "registrations": len(regs) if regs is not None else 0,
+            "recv_pool_registrations": self._recv_pool.registrations if self._recv_pool else 0,
+            "recv_pool_bytes": self._recv_pool.registered_bytes if self._recv_pool else 0,
             **self.counters,
         }
 
@@ -433,6 +467,21 @@ class MooncakeBackend(ByteBackend):
         )
 
     # -- receiver ----------------------------------------------------------------------
+
+    async def delivery_buffer(self, nbytes: int) -> torch.Tensor | None:
+        """A buffer of the registered receive pool: reads land in it with no
+        registration of their own."""
+        self._check_open()
+        pool = self._recv_pool
+        if pool is None:
+            return None
+        try:
+            return await pool.take_registered(nbytes)
+        except BackendError as exc:  # the endpoint's own buffer, registered per read
+            self.counters["recv_pool_refused"] += 1
+            if self.counters["recv_pool_refused"] == 1:  # once: it says why
+                log.warning("mooncake: no registered receive buffer of %s: %s", mib(nbytes), exc)
+            return None
 
     async def import_(self, peer: PeerInfo, ref: bytes, nbytes: int) -> Import:
         self._check_open()

@@ -27,7 +27,7 @@ from ..._native import engine_stderr
 from ...errors import BackendError
 from ..support import TransferTimeoutError, poll_until
 
-__all__ = ["Engine", "TransferEngine", "import_error", "read", "shared_engine"]
+__all__ = ["Engine", "Reads", "TransferEngine", "import_error", "read", "shared_engine"]
 
 
 class Engine(Protocol):
@@ -113,6 +113,45 @@ def _check(rc: int, what: str) -> None:
         raise BackendError(f"mooncake: {what} failed with code {rc}")
 
 
+class Reads:
+    """Reads of one session: :meth:`submit` starts them (each call only queues work
+    for the engine's threads), :meth:`done` checks them (from any one thread at a
+    time), :meth:`check` raises what failed. One batch per read: the engine's status
+    call checks one task."""
+
+    def __init__(self, engine: Engine, session: str, reads: Sequence[tuple[int, int, int]]):
+        self.engine = engine
+        self.session = session
+        self.reads = reads
+        self.pending: list[tuple[int, int, int]] = []
+        self.failures: list[str] = []
+        self.what = f"mooncake: read of {sum(r[2] for r in reads)} bytes from session {session}"
+
+    def submit(self) -> None:
+        """Raises BackendError when the engine refuses one (those before it were
+        submitted: wait for them before the memory is reused)."""
+        for local, remote, length in self.reads:
+            batch = self.engine.submit_read(self.session, local, remote, length)
+            self.pending.append((batch, remote, length))
+
+    def done(self) -> bool:
+        for item in list(self.pending):
+            batch, remote, length = item
+            rc = self.engine.status(batch)
+            if rc == 0:
+                continue
+            self.pending.remove(item)
+            if rc != 1:
+                how = "timed out in the engine" if rc == -2 else "failed"
+                self.failures.append(f"read of {length} bytes at 0x{remote:x} {how} (code {rc})")
+        return not self.pending
+
+    def check(self) -> None:
+        """Raises BackendError if a read failed."""
+        if self.failures:
+            raise BackendError(f"mooncake: {self.failures[0]} from session {self.session}")
+
+
 def read(
     engine: Engine,
     session: str,
@@ -123,43 +162,26 @@ def read(
     spin: bool = False,
 ) -> None:
     """Read each ``(local, remote, length)`` of ``session`` and wait for all of them
-    (blocking). One batch per read: the engine's status call checks one task.
+    (blocking).
 
     Raises:
         TransferTimeoutError: not all done within ``timeout`` (they may still land).
         BackendError: the engine refused or failed a read; the others were waited for.
     """
-    pending: list[tuple[int, int, int]] = []
-    failures: list[str] = []
-
-    def done() -> bool:
-        for item in list(pending):
-            batch, remote, length = item
-            rc = engine.status(batch)
-            if rc == 0:
-                continue
-            pending.remove(item)
-            if rc != 1:
-                how = "timed out in the engine" if rc == -2 else "failed"
-                failures.append(f"read of {length} bytes at 0x{remote:x} {how} (code {rc})")
-        return not pending
-
-    what = f"mooncake: read of {sum(r[2] for r in reads)} bytes from session {session}"
+    batch = Reads(engine, session, reads)
     try:
-        for local, remote, length in reads:
-            pending.append((engine.submit_read(session, local, remote, length), remote, length))
+        batch.submit()
     except BackendError:
-        if pending:  # those already submitted may still land: wait for them first
+        if batch.pending:  # those already submitted may still land: wait for them first
             try:
-                poll_until(done, timeout=timeout, what=what)
+                poll_until(batch.done, timeout=timeout, what=batch.what)
             except TransferTimeoutError:
                 raise
             except BackendError:
                 pass
         raise
-    poll_until(done, timeout=timeout, what=what, cancelled=cancelled, spin=spin)
-    if failures:
-        raise BackendError(f"mooncake: {failures[0]} from session {session}")
+    poll_until(batch.done, timeout=timeout, what=batch.what, cancelled=cancelled, spin=spin)
+    batch.check()
 
 
 _engines: dict[tuple[str, str, str], TransferEngine] = {}

@@ -17,10 +17,10 @@ import torch
 
 from ...errors import BackendError
 from ..pool import SlotPool
-from ..support import HostMemory, RegistrationCache, Releaser
+from ..support import HostMemory, RegisteredRecvPool, RegistrationCache, Releaser
 from ._engine import Engine
 
-__all__ = ["Registered", "new_pool", "registration_cache"]
+__all__ = ["Registered", "new_pool", "recv_pool", "registration_cache"]
 
 log = logging.getLogger("omniwire.mooncake")
 
@@ -89,3 +89,13 @@ def registration_cache(engine: Engine, releaser: Releaser) -> RegistrationCache[
         return addr
 
     return RegistrationCache(register, engine.unregister, releaser)
+
+
+def recv_pool(engine: Engine, releaser: Releaser, max_idle_bytes: int) -> RegisteredRecvPool[int]:
+    """Copy-mode receive buffers, each block registered once (handle: the address)."""
+
+    def register(addr: int, nbytes: int) -> int:
+        engine.register(addr, nbytes)
+        return addr
+
+    return RegisteredRecvPool(register, engine.unregister, releaser, max_idle_bytes=max_idle_bytes)

@@ -23,19 +23,20 @@ from ..base import (
     PeerInfo,
 )
 from ..pool import Lease, SlotPool
-from ..support import LentExport, RegistrationCache, Releaser, lend
+from ..support import Completions, LentExport, RegisteredRecvPool, RegistrationCache, Releaser, lend
 from . import _blobs as blobs
 from ._blobs import Lent, Mem
 from ._engine import (
     Agent,
     AgentFactory,
     NixlAgent,
+    Registration,
     agent_name,
     check_agent,
     load_api,
     load_checked,
 )
-from ._memory import LentRegistration, Memory, new_pool, registration_cache
+from ._memory import LentRegistration, Memory, new_pool, recv_pool, registration_cache
 from ._reading import Loaded, Remote, SpanImport
 
 __all__ = ["NixlBackend"]
@@ -110,6 +111,7 @@ class NixlBackend(ByteBackend):
             cuda_device = opts.get("cuda_device")
             self.cuda_device = int(cuda_device) if cuda_device is not None else None
             self.register_dest_min = int(opts.get("register_dest_min", 256 << 10))
+            self.recv_pool_idle = int(opts.get("recv_pool_idle", 256 << 20))
             timeout = opts.get("timeout")
             self._timeout = float(timeout) if timeout is not None else None
         except (TypeError, ValueError) as exc:
@@ -121,12 +123,22 @@ class NixlBackend(ByteBackend):
         self._info = b""
         self._releaser = Releaser("omniwire-nixl")
         self._registrations: RegistrationCache[LentRegistration] | None = None
+        #: Copy-mode receive buffers, registered once per block (delivery_buffer).
+        self._recv_pool: RegisteredRecvPool[Registration] | None = None
+        #: Waits for READs started on the event loop (see _reading.SpanImport.fetch).
+        self._completions = Completions("omniwire-nixl-completions")
         self._remotes: dict[tuple[str, int], Remote] = {}
         self._quarantined: list[object] = []  # what a READ that could not be cancelled may hit
         self._active = 0
         self._idle: anyio.Event | None = None
         self._closed = False
-        self.counters = {"reads": 0, "reloads": 0, "dest_registrations": 0, "lent": 0}
+        self.counters = {
+            "reads": 0,
+            "reloads": 0,
+            "dest_registrations": 0,
+            "lent": 0,
+            "recv_pool_refused": 0,
+        }
 
     @classmethod
     def availability(cls) -> Availability:
@@ -199,6 +211,8 @@ class NixlBackend(ByteBackend):
             )
         )
         self._registrations = registration_cache(agent, self._releaser)
+        if self.recv_pool_idle > 0:
+            self._recv_pool = recv_pool(agent, self._releaser, self.recv_pool_idle)
         self._agent = agent
 
     def hello(self) -> bytes:
@@ -266,8 +280,11 @@ class NixlBackend(ByteBackend):
         for pool in pools:
             await pool.slots.aclose()
         cached = self._registrations.clear() if self._registrations is not None else []
+        recv, self._recv_pool = self._recv_pool, None
+        received = recv.close_registered() if recv is not None else []
 
         def teardown() -> None:
+            self._completions.stop()
             self._releaser.stop()
             if agent is None:
                 return
@@ -275,6 +292,10 @@ class NixlBackend(ByteBackend):
                 agent.unload(remote.agent)
             for lent in cached:
                 agent.deregister(lent.registration)
+            for registration in received:
+                agent.deregister(registration)
+            if recv is not None:
+                recv.clear()
             for pool in pools:
                 pool.memory.release()
             agent.close()
@@ -288,6 +309,9 @@ class NixlBackend(ByteBackend):
             "reads_in_flight": self._active,
             "quarantined": len(self._quarantined),
             "registrations": len(self._registrations) if self._registrations else 0,
+            "recv_pool_registrations": self._recv_pool.registrations if self._recv_pool else 0,
+            "recv_pool_bytes": self._recv_pool.registered_bytes if self._recv_pool else 0,
+            "reads_on_loop": self._completions.waited,
             **self.counters,
         }
         for pool in self._pools:
@@ -302,6 +326,26 @@ class NixlBackend(ByteBackend):
             if remote.idle is None or remote.idle.is_set():
                 remote.idle = anyio.Event()
             await remote.idle.wait()
+
+    def holds(self, dest: torch.Tensor) -> bool:
+        """Whether ``dest`` is a block of the registered receive pool (host memory)."""
+        pool = self._recv_pool
+        return pool is not None and dest.device.type == "cpu" and pool.holds(dest)
+
+    async def delivery_buffer(self, nbytes: int) -> torch.Tensor | None:
+        """A buffer of the registered receive pool: READs land in it with no
+        registration of their own."""
+        self._live_agent()
+        pool = self._recv_pool
+        if pool is None or nbytes < self.register_dest_min:
+            return None
+        try:
+            return await pool.take_registered(nbytes)
+        except BackendError as exc:  # the endpoint's own buffer, registered per READ
+            self.counters["recv_pool_refused"] += 1
+            if self.counters["recv_pool_refused"] == 1:  # once: it says why
+                log.warning("nixl: no registered receive buffer of %d bytes: %s", nbytes, exc)
+            return None
 
     def _pool_for(self, device: str) -> _Pool | None:
         if device.startswith("cuda"):

@@ -29,10 +29,10 @@ from typing import Any, Protocol
 
 from ...errors import BackendClosedError, BackendError
 from ..base import map_errors, one_line
-from ..support import poll_until
+from ..support import Completions, poll_until
 from ._blobs import Region, md_agent
 
-__all__ = ["Agent", "NixlAgent", "StuckRead", "agent_name", "load_api", "read"]
+__all__ = ["Agent", "NixlAgent", "StuckRead", "agent_name", "load_api", "read", "read_async"]
 
 log = logging.getLogger("omniwire.nixl")
 
@@ -353,6 +353,51 @@ def read(
     try:
         poll_until(
             finished, timeout=timeout, what=f"nixl: READ for {what}", cancelled=cancelled, spin=spin
+        )
+        if state != "DONE":
+            raise BackendError(f"nixl: READ for {what} failed (state {state})")
+        done = True
+    finally:
+        try:
+            agent.release(transfer)
+        except BackendError as exc:  # NIXL could not cancel it: it may still land
+            log.warning("nixl: releasing the READ for %s failed: %s", what, exc)
+            if not done:
+                raise StuckRead(f"nixl: READ for {what} could not be cancelled: {exc}") from exc
+
+
+async def read_async(
+    agent: Agent,
+    completions: Completions,
+    reads: Sequence[tuple[int, int, int]],
+    local: tuple[int, str],
+    remote_agent: str,
+    remote: tuple[int, str],
+    timeout: float,
+    what: str,
+    cancelled: Callable[[], bool] | None = None,
+) -> None:
+    """:func:`read` started on the event loop (creating and posting a READ only queues
+    it for UCX's progress thread) and waited for by ``completions``, which wakes the
+    loop when it ends: no worker thread to schedule before the READ starts.
+
+    Raises: as :func:`read`.
+    """
+    ldescs = [(lo, n, local[0]) for lo, _, n in reads]
+    rdescs = [(ro, n, remote[0]) for _, ro, n in reads]
+    transfer, first = agent.start_read(ldescs, local[1], remote_agent, rdescs, remote[1])
+    state = first
+    done = False
+
+    def finished() -> bool:
+        nonlocal state
+        if state == "PROC":
+            state = agent.state(transfer)
+        return state != "PROC"
+
+    try:
+        await completions.wait(
+            finished, timeout=timeout, what=f"nixl: READ for {what}", cancelled=cancelled
         )
         if state != "DONE":
             raise BackendError(f"nixl: READ for {what} failed (state {state})")

@@ -11,11 +11,11 @@ from __future__ import annotations
 import torch
 
 from ..pool import SlotPool
-from ..support import HostMemory, RegistrationCache, Releaser
+from ..support import HostMemory, RegisteredRecvPool, RegistrationCache, Releaser
 from ._blobs import Mem, Region
 from ._engine import Agent, Registration
 
-__all__ = ["LentRegistration", "Memory", "new_pool", "registration_cache"]
+__all__ = ["LentRegistration", "Memory", "new_pool", "recv_pool", "registration_cache"]
 
 PAGE = 4096
 
@@ -102,3 +102,14 @@ def registration_cache(agent: Agent, releaser: Releaser) -> RegistrationCache[Le
         agent.deregister(lent.registration)
 
     return RegistrationCache(register, unregister, releaser)
+
+
+def recv_pool(
+    agent: Agent, releaser: Releaser, max_idle_bytes: int
+) -> RegisteredRecvPool[Registration]:
+    """Copy-mode receive buffers in host memory, each block registered once."""
+
+    def register(addr: int, nbytes: int) -> Registration:
+        return agent.register(Region(addr, nbytes, 0, "DRAM"))
+
+    return RegisteredRecvPool(register, agent.deregister, releaser, max_idle_bytes=max_idle_bytes)

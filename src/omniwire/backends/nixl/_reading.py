@@ -10,18 +10,21 @@ import anyio
 import torch
 
 from ...errors import BackendError
-from ..base import Import, PeerInfo
+from ..base import Import, PeerInfo, copy_range
 from ..pool import Lease
 from ..support import check_range
 from . import _blobs as blobs
 from ._blobs import Mem, Region, Span
-from ._engine import Registration, StuckRead, read
+from ._engine import Registration, StuckRead, read, read_async
 from ._memory import Memory
 
 if TYPE_CHECKING:
     from ._backend import NixlBackend
 
 __all__ = ["Loaded", "Remote", "SpanImport"]
+
+#: At most this many spans (remote descriptors) for a READ started on the event loop.
+LOOP_SPANS = 16
 
 
 class Loaded:
@@ -46,6 +49,8 @@ class Remote:
         self.pools = list(hello.pools)
         self.pieces = hello.pieces
         self.alive = True
+        #: A READ from it completed: its connection is up, later READs start on the loop.
+        self.opened = False
         self.active = 0  # reads in flight
         self.idle: anyio.Event | None = None
         self.refreshing: anyio.Event | None = None
@@ -110,11 +115,44 @@ class SpanImport(Import):
             and (self.dest.data_ptr(), self.dest.numel()) != (dest.data_ptr(), dest.numel())
         ):
             self._drop_dest()  # another destination than the last fetch's
-        register = direct and self.dest_registration is None
+        # a block of the registered receive pool needs no registration of its own
+        held = direct and dest is not None and nx.holds(dest)
+        register = direct and not held and self.dest_registration is None
         timeout = nx.timeout_for(hi - lo)
+        # on the loop: memory registered already, a connection up, and few descriptors
+        # (building and posting a READ is CPU work in NIXL and UCX, about 0.1–0.4 ms here
+        # for one descriptor, growing with their number)
+        on_loop = remote.opened and (held or not direct) and len(self.spans) <= LOOP_SPANS
+
+        def cancelled() -> bool:
+            return not remote.alive or nx._closed
+
+        async def run_now() -> None:
+            if direct:
+                assert dest is not None
+                base, local = dest.data_ptr(), (0, "DRAM")
+            else:
+                base, local = self._landing_addr()
+            for (dev, mem), group in self._groups(lo, hi):
+                await read_async(
+                    agent,
+                    nx._completions,
+                    [(base + at, addr, n) for at, addr, n in group],
+                    local,
+                    remote.agent,
+                    (dev, mem),
+                    timeout,
+                    self.what,
+                    cancelled,
+                )
+            if not direct and dest is not None:
+                await copy_range(dest, self._landing_view(), lo, hi)
 
         def run() -> None:
-            if direct:
+            if held:
+                assert dest is not None
+                base, local = dest.data_ptr(), (0, "DRAM")
+            elif direct:
                 assert dest is not None
                 kind: Mem = "VRAM" if dest.is_cuda else "DRAM"
                 dev = dest.device.index or 0
@@ -134,9 +172,9 @@ class SpanImport(Import):
                     (dev, mem),
                     timeout,
                     self.what,
-                    lambda: not remote.alive or nx._closed,
+                    cancelled,
                 )
-            if direct and hi == self.nbytes and self.dest_registration is not None:
+            if direct and not held and hi == self.nbytes and self.dest_registration is not None:
                 registration, self.dest_registration, self.dest = self.dest_registration, None, None
                 agent.deregister(registration)
             elif not direct and dest is not None:
@@ -146,7 +184,11 @@ class SpanImport(Import):
         nx._active += 1
         remote.active += 1
         try:
-            await anyio.to_thread.run_sync(run)
+            if on_loop:
+                await run_now()
+            else:
+                await anyio.to_thread.run_sync(run)
+                remote.opened = True
         except BackendError as exc:
             error = exc
         finally:
@@ -162,6 +204,7 @@ class SpanImport(Import):
             return
         if isinstance(error, StuckRead):
             self._quarantine(dest)
+        remote.opened = False  # the next READ reconnects, if need be, in a worker thread
         await nx._recover(remote)
         raise error
 
