@@ -316,6 +316,48 @@ class NixlAgent:
         self._agent = None  # the last reference: the destructor runs here
 
 
+class _Read:
+    """One READ of ``(local addr, remote addr, length)`` spans, started at once: its
+    state, and its release (always, once), shared by :func:`read` and
+    :func:`read_async`."""
+
+    def __init__(
+        self,
+        agent: Agent,
+        reads: Sequence[tuple[int, int, int]],
+        local: tuple[int, str],
+        remote_agent: str,
+        remote: tuple[int, str],
+        what: str,
+    ) -> None:
+        ldescs = [(lo, n, local[0]) for lo, _, n in reads]
+        rdescs = [(ro, n, remote[0]) for _, ro, n in reads]
+        self.agent = agent
+        self.what = f"nixl: READ for {what}"
+        self.transfer, self.state = agent.start_read(
+            ldescs, local[1], remote_agent, rdescs, remote[1]
+        )
+
+    def finished(self) -> bool:
+        if self.state == "PROC":
+            self.state = self.agent.state(self.transfer)
+        return self.state != "PROC"
+
+    def check(self) -> None:
+        if self.state != "DONE":
+            raise BackendError(f"{self.what} failed (state {self.state})")
+
+    def release(self, done: bool) -> None:
+        """Release the transfer; StuckRead if it did not finish and NIXL could not
+        cancel it (it may still land)."""
+        try:
+            self.agent.release(self.transfer)
+        except BackendError as exc:
+            log.warning("%s: releasing it failed: %s", self.what, exc)
+            if not done:
+                raise StuckRead(f"{self.what} could not be cancelled: {exc}") from exc
+
+
 def read(
     agent: Agent,
     reads: Sequence[tuple[int, int, int]],
@@ -338,32 +380,14 @@ def read(
         TransferTimeoutError: not done within ``timeout`` (released).
         BackendError: NIXL refused or failed it, or ``cancelled()`` turned true.
     """
-    ldescs = [(lo, n, local[0]) for lo, _, n in reads]
-    rdescs = [(ro, n, remote[0]) for _, ro, n in reads]
-    transfer, first = agent.start_read(ldescs, local[1], remote_agent, rdescs, remote[1])
-    state = first
+    op = _Read(agent, reads, local, remote_agent, remote, what)
     done = False
-
-    def finished() -> bool:
-        nonlocal state
-        if state == "PROC":
-            state = agent.state(transfer)
-        return state != "PROC"
-
     try:
-        poll_until(
-            finished, timeout=timeout, what=f"nixl: READ for {what}", cancelled=cancelled, spin=spin
-        )
-        if state != "DONE":
-            raise BackendError(f"nixl: READ for {what} failed (state {state})")
+        poll_until(op.finished, timeout=timeout, what=op.what, cancelled=cancelled, spin=spin)
+        op.check()
         done = True
     finally:
-        try:
-            agent.release(transfer)
-        except BackendError as exc:  # NIXL could not cancel it: it may still land
-            log.warning("nixl: releasing the READ for %s failed: %s", what, exc)
-            if not done:
-                raise StuckRead(f"nixl: READ for {what} could not be cancelled: {exc}") from exc
+        op.release(done)
 
 
 async def read_async(
@@ -383,32 +407,14 @@ async def read_async(
 
     Raises: as :func:`read`.
     """
-    ldescs = [(lo, n, local[0]) for lo, _, n in reads]
-    rdescs = [(ro, n, remote[0]) for _, ro, n in reads]
-    transfer, first = agent.start_read(ldescs, local[1], remote_agent, rdescs, remote[1])
-    state = first
+    op = _Read(agent, reads, local, remote_agent, remote, what)
     done = False
-
-    def finished() -> bool:
-        nonlocal state
-        if state == "PROC":
-            state = agent.state(transfer)
-        return state != "PROC"
-
     try:
-        await completions.wait(
-            finished, timeout=timeout, what=f"nixl: READ for {what}", cancelled=cancelled
-        )
-        if state != "DONE":
-            raise BackendError(f"nixl: READ for {what} failed (state {state})")
+        await completions.wait(op.finished, timeout=timeout, what=op.what, cancelled=cancelled)
+        op.check()
         done = True
     finally:
-        try:
-            agent.release(transfer)
-        except BackendError as exc:  # NIXL could not cancel it: it may still land
-            log.warning("nixl: releasing the READ for %s failed: %s", what, exc)
-            if not done:
-                raise StuckRead(f"nixl: READ for {what} could not be cancelled: {exc}") from exc
+        op.release(done)
 
 
 def check_agent(metadata: bytes, expected: str, peer: str) -> None:
