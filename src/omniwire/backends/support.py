@@ -454,6 +454,21 @@ class RegisteredRecvPool(RecvPool, Generic[H]):
                 return None
         return self._wrap(block, size, nbytes)
 
+    async def delivery_buffer(
+        self, nbytes: int, counters: dict[str, int], engine: str
+    ) -> torch.Tensor | None:
+        """:meth:`take_registered` for a backend's ``delivery_buffer``: a block the
+        engine refuses to register is no error — None (the endpoint lands the object
+        in its own buffer, registered per read), counted in
+        ``counters["recv_pool_refused"]`` and logged once."""
+        try:
+            return await self.take_registered(nbytes)
+        except BackendError as exc:
+            counters["recv_pool_refused"] += 1
+            if counters["recv_pool_refused"] == 1:  # once: it says why
+                log.warning("%s: no registered receive buffer of %s: %s", engine, mib(nbytes), exc)
+            return None
+
     def _keep(self, addr: int, handle: H, size: int) -> bool:
         with self._lock:
             if self._closed:

@@ -475,13 +475,7 @@ class MooncakeBackend(ByteBackend):
         pool = self._recv_pool
         if pool is None:
             return None
-        try:
-            return await pool.take_registered(nbytes)
-        except BackendError as exc:  # the endpoint's own buffer, registered per read
-            self.counters["recv_pool_refused"] += 1
-            if self.counters["recv_pool_refused"] == 1:  # once: it says why
-                log.warning("mooncake: no registered receive buffer of %s: %s", mib(nbytes), exc)
-            return None
+        return await pool.delivery_buffer(nbytes, self.counters, "mooncake")
 
     async def import_(self, peer: PeerInfo, ref: bytes, nbytes: int) -> Import:
         self._check_open()

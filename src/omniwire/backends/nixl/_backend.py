@@ -339,13 +339,7 @@ class NixlBackend(ByteBackend):
         pool = self._recv_pool
         if pool is None or nbytes < self.register_dest_min:
             return None
-        try:
-            return await pool.take_registered(nbytes)
-        except BackendError as exc:  # the endpoint's own buffer, registered per READ
-            self.counters["recv_pool_refused"] += 1
-            if self.counters["recv_pool_refused"] == 1:  # once: it says why
-                log.warning("nixl: no registered receive buffer of %d bytes: %s", nbytes, exc)
-            return None
+        return await pool.delivery_buffer(nbytes, self.counters, "nixl")
 
     def _pool_for(self, device: str) -> _Pool | None:
         if device.startswith("cuda"):
