@@ -15,7 +15,7 @@ import logging
 import math
 import sys
 import time
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import torch
@@ -35,12 +35,12 @@ from ..errors import (
     PeerLostError,
     PeerUnresponsiveError,
     RequestAbortedError,
-    WireFormatError,
 )
 from ..routing import INLINE, PayloadInfo, Route
 from ._buffers import TransportBuffer
 from ._core import Core
 from ._exporting import export_bytes, publish_rest
+from ._inline import Kind, carried_inline, fit, inline_message, payload_info, unaccount
 from ._peers import PeerTable
 from ._records import ForwardedExport, OutRecord, Peer, PeerStatus, SharedExport
 from ._stats import RouteStats
@@ -52,8 +52,6 @@ __all__ = ["Kind", "Sender", "payload_info"]
 
 log = logging.getLogger("omniwire.endpoint")
 route_log = logging.getLogger("omniwire.route")
-
-Kind = Literal["payload", "stream_chunk"]
 
 
 class Sender:
@@ -104,11 +102,11 @@ class Sender:
                 )
                 if peer.window.try_acquire(charge):
                     core.outbox.post(peer, msg, charge)  # room in its queue: no wait
-                    return _carried_inline(peer, request_id, layout, stats)
+                    return carried_inline(peer, request_id, layout, stats)
                 with core.aborts.guard(request_id, target):
                     await self._inline_window(peer, msg, kind, charge)
                     await core.outbox.send(peer, msg, core.config.ack_timeout, charge)
-                return _carried_inline(peer, request_id, layout, stats)
+                return carried_inline(peer, request_id, layout, stats)
         with core.aborts.guard(request_id, target):
             peer = await self.peers.wait_ready(target, core.config.handshake_timeout)
             if ready is not None and ready[0] is peer:  # still the session it was routed for
@@ -235,7 +233,7 @@ class Sender:
             )
             await self._inline_window(peer, msg, kind, charge)
             await self.core.outbox.send(peer, msg, self.core.config.ack_timeout, charge)
-            return _carried_inline(peer, request_id, layout, stats)
+            return carried_inline(peer, request_id, layout, stats)
         stats, chunk_id = self._account(peer, route, request_id, kind)
         return await self._send_object(
             peer,
@@ -272,7 +270,7 @@ class Sender:
                 metadata=meta,
                 traceparent=traceparent,
             )
-            charge = _fit(msg)
+            charge = fit(msg)
             peer.chunk_ids.pop(request_id, None)
             await self._window(peer, charge)
             await core.outbox.send(peer, msg, core.config.ack_timeout, charge)
@@ -359,12 +357,14 @@ class Sender:
             FrameTooLargeError: it would not fit in a frame (nothing was accounted).
         """
         stats, chunk_id = self._account(peer, route, request_id, kind)
-        msg = self._inline_message(peer, enc, layout, request_id, kind, chunk_id, meta, traceparent)
+        msg = inline_message(
+            self.core.name, peer, enc, layout, request_id, kind, chunk_id, meta, traceparent
+        )
         try:
-            charge = _fit(msg)
+            charge = fit(msg)
         except FrameTooLargeError:
             if kind == "stream_chunk":
-                _unaccount(peer, request_id, chunk_id)
+                unaccount(peer, request_id, chunk_id)
             raise
         return stats, msg, charge
 
@@ -378,7 +378,7 @@ class Sender:
             await self._window(peer, charge)
         except BaseException:
             if kind == "stream_chunk":
-                _unaccount(peer, msg.request_id, msg.chunk_id)
+                unaccount(peer, msg.request_id, msg.chunk_id)
             raise
 
     async def _window(self, peer: Peer, charge: int) -> None:
@@ -431,32 +431,6 @@ class Sender:
             )
             if what == "window":
                 raise PeerUnresponsiveError(f"peer {peer.name!r} was lost: {peer.reason}")
-
-    def _inline_message(
-        self,
-        peer: Peer,
-        enc: codec.Encoded,
-        layout: packing.PackPlan,
-        request_id: str,
-        kind: Kind,
-        chunk_id: int,
-        meta: bytes,
-        traceparent: str,
-    ) -> wire.DataReadyMessage:
-        return wire.DataReadyMessage(
-            request_id=request_id,
-            from_stage=self.core.name,
-            to_stage=peer.name,
-            chunk_id=chunk_id,
-            inline=wire.InlineStreamChunkRef(
-                header=enc.header,
-                tensors=layout.metas,
-                data=packing.pack_bytes(enc.tensors, layout),
-                kind=kind,
-            ),
-            metadata=meta,
-            traceparent=traceparent,
-        )
 
     # -- objects -----------------------------------------------------------------------
 
@@ -532,7 +506,7 @@ class Sender:
                 metadata=meta,
                 traceparent=traceparent,
             )
-            charge = _fit(msg)
+            charge = fit(msg)
             # publish and announce under the peer's lock: a two-sided engine pairs sends
             # and receives in announce order.
             async with _locked(peer.send_lock):
@@ -558,7 +532,7 @@ class Sender:
             if not posted:
                 record.release(_as_error(exc, peer), "not sent")
                 if kind == "stream_chunk":
-                    _unaccount(peer, request_id, chunk_id)
+                    unaccount(peer, request_id, chunk_id)
             raise
         stats.count += 1
         stats.nbytes += nbytes
@@ -682,57 +656,6 @@ class Sender:
 
     def in_flight(self) -> dict[str, int]:
         return {p.name: len(p.session.outbound) for p in self.peers.all()}
-
-
-def _unaccount(peer: Peer, request_id: str, chunk_id: int) -> None:
-    """A stream chunk that was accounted never went: its id is the stream's next again
-    (unless later chunks of the stream were accounted meanwhile)."""
-    if peer.chunk_ids.get(request_id) == chunk_id + 1:
-        peer.chunk_ids[request_id] = chunk_id
-
-
-def _fit(msg: wire.DataReadyMessage) -> int:
-    """``msg``'s charge (spec §7.6); FrameTooLargeError if it cannot travel in one frame
-    (spec §3.1). Exact for the messages that might not fit; small ones are not encoded."""
-    charge = wire.charge(msg)
-    if charge < (1 << 20) and len((msg.data_ref or msg.inline or _EMPTY).tensors) < 256:
-        return charge
-    try:
-        wire.encode(msg)
-    except WireFormatError as exc:
-        raise FrameTooLargeError(
-            f"a {'stream chunk' if msg.chunk_id or msg.is_done else 'payload'} of request "
-            f"{msg.request_id!r} to {msg.to_stage!r} is too large for one frame ({exc}; "
-            f"frames hold at most {wire.MAX_FRAME_SIZE >> 20} MiB): send bulk bytes as a tensor, "
-            "which travels by a backend"
-        ) from None
-    return charge
-
-
-_EMPTY = wire.InlineStreamChunkRef()
-
-
-def _carried_inline(
-    peer: Peer, request_id: str, layout: packing.PackPlan, stats: RouteStats
-) -> SendReceipt:
-    """The receipt of an inline send: complete when handed on (inline data has no ACK)."""
-    stats.count += 1
-    stats.nbytes += layout.nbytes
-    return SendReceipt.completed(peer.name, request_id, INLINE.name, layout.nbytes)
-
-
-_INFOS: dict[tuple[int, int, frozenset[str], str], PayloadInfo] = {}
-
-
-def payload_info(kind: Kind, tensors: list[torch.Tensor], layout: packing.PackPlan) -> PayloadInfo:
-    """What routing may know of a payload (one object per shape: routes are cached by it)."""
-    key = (layout.nbytes, len(tensors), layout.devices, kind)
-    info = _INFOS.get(key)
-    if info is None:
-        if len(_INFOS) >= 1024:
-            _INFOS.clear()
-        info = _INFOS[key] = PayloadInfo(kind, layout.nbytes, layout.devices, len(tensors))
-    return info
 
 
 def _as_error(exc: BaseException, peer: Peer) -> BaseException | None:
