@@ -250,7 +250,7 @@ def test_poll_until_never_sleeps_past_a_32nd_of_the_wait_so_far(
     """The promise that bounds a transfer's overshoot to ~3 %: each sleep is at most
     1/32 of the time already waited (10 µs at least, 500 µs at most). A fake clock
     advanced only by the sleeps, so nothing here depends on the machine's speed."""
-    from omniwire.backends import support
+    from omniwire.backends import completion as support
 
     now = [0.0]
     sleeps: list[tuple[float, float]] = []  # (waited so far, sleep)
