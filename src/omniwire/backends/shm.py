@@ -103,6 +103,7 @@ from .base import (
     Import,
     Locality,
     PeerInfo,
+    in_parts,
 )
 from .pool import Lease, SlotPool
 from .support import decode_blob, mib
@@ -516,14 +517,17 @@ class _ReadImport(Import):
             if self.buffer is None:
                 self.buffer = torch.empty(self.nbytes, dtype=torch.uint8)
             dest = self.buffer
-        target = dest[lo:hi].numpy().data
+        target = dest.numpy().data
+        fd, offset = self._src.fd, self._offset
         what = f"shm segment {self._src.name} of {self.peer.name!r}"
+
+        def read(a: int, b: int) -> None:
+            pread_into(fd, target[a:b], offset + a, what)
+
         if hi - lo >= THREAD_COPY_THRESHOLD:
-            await anyio.to_thread.run_sync(
-                pread_into, self._src.fd, target, self._offset + lo, what
-            )
+            await in_parts(read, lo, hi)
         else:
-            pread_into(self._src.fd, target, self._offset + lo, what)
+            read(lo, hi)
 
     def _close(self) -> None:
         if self._own:

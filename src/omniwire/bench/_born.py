@@ -25,6 +25,7 @@ import numpy as np
 import torch
 import torch.multiprocessing as tmp
 
+from ..backends.base import COPY_THREADS
 from ._model import Figure, Scenario, Target
 from ._units import MiB
 
@@ -147,7 +148,8 @@ async def born_large(
         "(the child maps it and sums it); copy mode: one memcpy plus the sum",
         f"A fills a {size // MiB} MiB tensor from Endpoint.empty (a slot of its shm arena) "
         "and sends it; B sums every element and answers the sum; time from send() to the "
-        f"answer. {reps} per round and mode, rounds interleaved with the baselines.",
+        f"answer. {reps} per round and mode, rounds interleaved with the baselines; B's "
+        f"copy-mode landing runs on {COPY_THREADS} thread(s) (OMNIWIRE_COPY_THREADS).",
         [
             Figure(
                 "zero-copy",
@@ -172,5 +174,7 @@ async def born_large(
             "transfers_per_round": reps,
             "seconds_p50": {k: statistics.median(v) for k, v in samples.items()},
             "sender_pack_copies": 0,
+            # the receiver's landing copy runs on this many threads (OMNIWIRE_COPY_THREADS)
+            "copy_threads": COPY_THREADS,
         },
     )

@@ -13,7 +13,7 @@ import anyio
 import torch
 
 from .. import packing, wire
-from ..backends.base import THREAD_COPY_THRESHOLD, ByteBackend, Export
+from ..backends.base import THREAD_COPY_THRESHOLD, ByteBackend, Export, in_parts
 from ._core import Core
 from ._records import OutRecord, Peer
 
@@ -82,7 +82,10 @@ async def pack(
         return
     cuda = next((t.device for t in tensors if t.device.type == "cuda"), None)
     if cuda is None and dest.device.type != "cuda":
-        await anyio.to_thread.run_sync(packing.pack_into, dest, tensors, layout, lo, hi)
+        if all(t.is_contiguous() for t in tensors):  # (a part cutting a strided one copies it)
+            await in_parts(lambda a, b: packing.pack_into(dest, tensors, layout, a, b), lo, hi)
+        else:
+            await anyio.to_thread.run_sync(packing.pack_into, dest, tensors, layout, lo, hi)
         return
     # CUDA copies are ordered on a stream, and the current stream is per thread:
     # pack in the worker on the caller's stream, after the work that made the tensors.
