@@ -11,7 +11,6 @@ import torch
 from omniwire.backends import base
 from omniwire.errors import BackendError
 
-
 MiB = 1 << 20
 
 
