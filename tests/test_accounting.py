@@ -12,12 +12,15 @@ import anyio
 import msgspec
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from omniwire import codec, wire
 from omniwire.endpoint import Endpoint
 from omniwire.errors import FrameTooLargeError, RequestAbortedError
 from omniwire.testing import PeerProcess
 from omniwire.testing.conformance import ipc_address
+from omniwire.testing.strategies import payloads
 
 from test_endpoint import addr, pair
 from test_hostile import Mallory, _still_serves, victim_and_friend
@@ -411,3 +414,37 @@ def test_nesting_in_map_keys_counts_against_the_depth_limit() -> None:
 
     with pytest.raises(WireFormatError, match="deep"):
         codec.loads(body, [])
+
+
+# -- the sender's charge is the spec's -------------------------------------------------
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    payload=payloads(max_leaves=6),
+    meta=st.binary(max_size=300),
+    kind=st.sampled_from(["payload", "stream_chunk"]),
+    trace=st.sampled_from(["", "00-" + "1" * 32 + "-" + "2" * 16 + "-01"]),
+)
+def test_the_charge_an_inline_message_is_sent_with_is_the_one_its_receiver_computes(
+    payload: object, meta: bytes, kind: str, trace: str
+) -> None:
+    """The sender computes an inline DataReady's charge from its parts (not from the
+    message): it must be what spec §7.6 says, and what the receiver computes from the
+    decoded message — else the two sides' windows drift apart."""
+    from types import SimpleNamespace
+
+    from omniwire import packing
+    from omniwire.endpoint._inline import inline_message
+
+    enc = codec.dumps(payload)
+    layout = packing.plan(enc.tensors, enc.paths)
+    if (
+        any(t.device.type != "cpu" for t in enc.tensors)
+        or layout.nbytes > wire.INLINE_MAX_TENSOR_BYTES
+    ):
+        return
+    peer = SimpleNamespace(name="b")
+    msg, charge = inline_message("a", peer, enc, layout, "r1", kind, 3, meta, trace)  # type: ignore[arg-type]
+    assert charge == wire.charge(msg)
+    assert charge == wire.charge(wire.decode(wire.encode(msg)))  # type: ignore[arg-type]

@@ -29,22 +29,35 @@ def inline_message(
     chunk_id: int,
     meta: bytes,
     traceparent: str,
-) -> wire.DataReadyMessage:
-    """The inline DataReady from stage ``name`` carrying ``enc`` packed by ``layout``."""
-    return wire.DataReadyMessage(
+) -> tuple[wire.DataReadyMessage, int]:
+    """The inline DataReady from stage ``name`` carrying ``enc`` packed by ``layout``,
+    and its charge (spec §7.6).
+
+    Raises:
+        FrameTooLargeError: it would not fit in a frame.
+    """
+    data = packing.pack_bytes(enc.tensors, layout)
+    metas = layout.metas
+    msg = wire.DataReadyMessage(
         request_id=request_id,
         from_stage=name,
         to_stage=peer.name,
         chunk_id=chunk_id,
-        inline=wire.InlineStreamChunkRef(
-            header=enc.header,
-            tensors=layout.metas,
-            data=packing.pack_bytes(enc.tensors, layout),
-            kind=kind,
-        ),
+        inline=wire.InlineStreamChunkRef(header=enc.header, tensors=metas, data=data, kind=kind),
         metadata=meta,
         traceparent=traceparent,
     )
+    # wire.charge(msg), from the parts at hand (this runs for every small message)
+    charge = (
+        wire.CHARGE_BASE
+        + len(meta)
+        + len(enc.header)
+        + len(data)
+        + wire.CHARGE_PER_TENSOR * len(metas)
+    )
+    if charge >= _SURELY_FITS or len(metas) >= 256:
+        fit(msg)
+    return msg, charge
 
 
 def unaccount(peer: Peer, request_id: str, chunk_id: int) -> None:
@@ -54,11 +67,16 @@ def unaccount(peer: Peer, request_id: str, chunk_id: int) -> None:
         peer.chunk_ids[request_id] = chunk_id
 
 
+#: A DataReady charged less than this, with fewer than 256 tensor entries, fits in a
+#: frame (so it is not encoded to find out).
+_SURELY_FITS = 1 << 20
+
+
 def fit(msg: wire.DataReadyMessage) -> int:
     """``msg``'s charge (spec §7.6); FrameTooLargeError if it cannot travel in one frame
     (spec §3.1). Exact for the messages that might not fit; small ones are not encoded."""
     charge = wire.charge(msg)
-    if charge < (1 << 20) and len((msg.data_ref or msg.inline or _EMPTY).tensors) < 256:
+    if charge < _SURELY_FITS and len((msg.data_ref or msg.inline or _EMPTY).tensors) < 256:
         return charge
     try:
         wire.encode(msg)

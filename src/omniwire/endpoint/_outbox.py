@@ -28,7 +28,7 @@ import asyncio
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import anyio
 
@@ -267,6 +267,10 @@ class Outbox:
     def _send_all(
         self, queue: _Queue, messages: list[wire.Message | _ToRing], sizes: list[int]
     ) -> None:
+        if 0 not in sizes:  # only charged DataReadys (a switch to the ring has size 0)
+            for frame in _frames(queue.peer, cast("list[wire.Message]", messages), sizes):
+                self._send(queue, frame)
+            return
         run: list[wire.Message] = []
         run_sizes: list[int] = []
         for item, size in zip(messages, sizes, strict=True):
@@ -350,6 +354,9 @@ def _frames(peer: Peer, messages: list[wire.Message], sizes: list[int]) -> list[
     version = peer.session.version
     if len(messages) == 1 or version < (1, 1):
         return [_frame(m, version) for m in messages]
+    if 0 not in sizes and len(messages) <= _BATCH_MAX and sum(sizes) <= _BATCH_BYTES:
+        # every one a DataReady its poster charged (the common burst): one batch
+        return _batch(cast("list[wire.BatchedMessage]", messages), version)
     frames: list[bytes] = []
     run: list[wire.BatchedMessage] = []
     size = 0

@@ -295,36 +295,34 @@ class Receiver:
 
     def take_message(self, peer: Peer, msg: wire.DataReadyMessage, charge: int) -> None:
         """Take a data-less or inline DataReady now (nothing of it waits). Its
-        ``charge`` is what it holds of the peer's window (see :meth:`_charged`)."""
+        ``charge`` is what it holds of the peer's window (see :meth:`_charged`). (One
+        function, but for its rare branches: it runs for every small message.)"""
         mark = self._made
         peer.busy = True
         try:
-            self._take_message(peer, msg)
+            # (not aborted: on_data_ready refused it then, and an abort drops it from the inbox)
+            ok, metadata = self._metadata(peer, msg, None) if msg.metadata else (True, None)
+            if ok:
+                inline = msg.inline
+                if msg.error is not None:
+                    peer.open_streams.pop(msg.request_id, None)
+                    self._deliver(_error(peer, msg, msg.error, metadata))
+                elif inline is not None:
+                    if (
+                        inline.kind == "stream_chunk"
+                        and msg.request_id not in peer.open_streams
+                        and not self._stream_admitted(peer, msg)
+                    ):
+                        return  # refused (the finally clause gives its charge back)
+                    self._take_inline(peer, msg, inline, metadata)
+                if msg.is_done:
+                    self._ended(peer, msg, metadata)
         except Exception:  # a bug must not stop the peer's inbox
             self.core.counters["internal_errors"] += 1
             log.exception("%s: failed to take a message from %s", self.core.name, peer.name)
         finally:
             peer.busy = False
             self._charged(peer, charge, mark)
-
-    def _take_message(self, peer: Peer, msg: wire.DataReadyMessage) -> None:
-        if self.core.aborts.is_aborted(msg.request_id):
-            return
-        ok, metadata = self._metadata(peer, msg, None)
-        if not ok:
-            return
-        if msg.error is not None:
-            peer.open_streams.pop(msg.request_id, None)
-            self._deliver(_error(peer, msg, msg.error, metadata))
-        elif msg.inline is not None:
-            if (
-                msg.inline.kind == "stream_chunk"
-                and msg.request_id not in peer.open_streams
-                and not self._stream_admitted(peer, msg)
-            ):
-                return
-            self._take_inline(peer, msg, msg.inline, metadata)
-        self._ended(peer, msg, metadata)
 
     def _metadata(
         self, peer: Peer, msg: wire.DataReadyMessage, record: InRecord | None

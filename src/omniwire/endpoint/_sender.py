@@ -357,11 +357,10 @@ class Sender:
             FrameTooLargeError: it would not fit in a frame (nothing was accounted).
         """
         stats, chunk_id = self._account(peer, route, request_id, kind)
-        msg = inline_message(
-            self.core.name, peer, enc, layout, request_id, kind, chunk_id, meta, traceparent
-        )
         try:
-            charge = fit(msg)
+            msg, charge = inline_message(
+                self.core.name, peer, enc, layout, request_id, kind, chunk_id, meta, traceparent
+            )
         except FrameTooLargeError:
             if kind == "stream_chunk":
                 unaccount(peer, request_id, chunk_id)

@@ -29,6 +29,8 @@ from ._constants import (
 )
 from ._frame import decode, encode, peek_version
 from ._messages import (
+    CHARGE_BASE,
+    CHARGE_PER_TENSOR,
     NACK_REASONS,
     REFUSAL_CODES,
     AbortMessage,
@@ -58,6 +60,8 @@ from ._state import HelloOutcome, InboundObject, OutboundObject, PeerState, Sess
 
 __all__ = [
     "ALIGNMENT",
+    "CHARGE_BASE",
+    "CHARGE_PER_TENSOR",
     "DTYPE_ITEMSIZE",
     "I64_MAX",
     "INLINE_MAX_TENSOR_BYTES",
