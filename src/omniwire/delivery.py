@@ -84,8 +84,10 @@ class Delivery:
     traceparent: str = ""
     _on_release: Callable[[], None] | None = field(default=None, repr=False)
     _budget: int | None = field(default=None, repr=False)  # receive budget held (from_stage's)
-    #: (peer, session generation, charge): the window charge it holds (spec §7.6).
-    _window: tuple[Any, int, int] | None = field(default=None, repr=False, compare=False)
+    #: The peer session's ReceiveWindow that ``_charge`` bytes of charge it holds go
+    #: back to when it leaves the queue (spec §7.6).
+    _window: Any = field(default=None, repr=False, compare=False)
+    _charge: int = field(default=0, repr=False, compare=False)
     _lent: bool = field(default=False, repr=False)  # released views of the sender's memory
     _replier: _Replier | None = field(default=None, repr=False, compare=False)
 

@@ -18,7 +18,7 @@ peers: no peer holds more than an equal share of it while another peer waits.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 
 import anyio
 
@@ -180,12 +180,15 @@ class ReceiveWindow:
     WindowMessage per message of a request/reply exchange.
     """
 
-    __slots__ = ("held", "size", "unreported")
+    __slots__ = ("held", "on_reopen", "quarter", "size", "unreported")
 
     def __init__(self, size: int) -> None:
         self.size = size
+        self.quarter = size // 4
         self.held = 0  # charge of the peer's messages still here
         self.unreported = 0  # charge given back and not yet announced to the peer
+        #: Called with the increment when :meth:`give` makes a WindowMessage due.
+        self.on_reopen: Callable[[int], None] | None = None
 
     def charge(self, nbytes: int) -> bool:
         before = self.held + self.unreported  # what the sender believes is outstanding
@@ -195,10 +198,21 @@ class ReceiveWindow:
     def credit(self, nbytes: int) -> int:
         self.held -= nbytes
         self.unreported += nbytes
-        if self.unreported >= self.size // 4:
+        if self.unreported >= self.quarter:
             increment, self.unreported = self.unreported, 0
             return increment
         return 0
+
+    def give(self, nbytes: int) -> None:
+        """:meth:`credit` for what a delivery held, as it leaves the queue (once per
+        small message): ``on_reopen(increment)`` when a WindowMessage is due."""
+        self.held -= nbytes
+        unreported = self.unreported + nbytes
+        if unreported >= self.quarter and self.on_reopen is not None:
+            self.unreported = 0
+            self.on_reopen(unreported)
+        else:
+            self.unreported = unreported
 
     def flush(self) -> int:
         """The increment to announce now that the peer holds nothing here (else 0)."""

@@ -29,7 +29,7 @@ receiver stop taking — and so stop acknowledging — instead of growing memory
 budget is shared fairly (:class:`~omniwire.flow.FairBudget`): while another peer
 waits, no peer holds more than an equal share. Everything else a message carries —
 inline data, headers, metadata, stream ends, errors — holds its charge against its
-peer's window (spec §7.6) until its delivery is taken or dropped (``on_window``).
+peer's window (spec §7.6) until its delivery is taken or dropped (``ReceiveWindow.give``).
 
 Dispatch. ``requests()`` finds the oldest request nobody holds in O(1): the
 queue keeps the ids of unheld requests with queued deliveries in order (a request
@@ -112,7 +112,6 @@ class Deliveries:
         #: ids of requests with queued deliveries and no hold, oldest first (a set)
         self._unheld: dict[str, None] = {}
         #: Told when a delivery that holds a window charge leaves the queue.
-        self.on_window: Any = None
         #: request id -> {stage filter (None: every stage) -> streams/receives holding it}
         self._holds: dict[str, dict[str | None, int]] = {}
         self._scoped: dict[str, list[_Consumer]] = {}  # waiting, by request id
@@ -374,8 +373,10 @@ class Deliveries:
         if delivery._budget is not None:
             self.budget.release(delivery.from_stage, delivery._budget)
             delivery._budget = None
-        if delivery._window is not None and self.on_window is not None:
-            self.on_window(delivery)
+        window = delivery._window
+        if window is not None:
+            delivery._window = None
+            window.give(delivery._charge)
 
 
 class DeliveryStream:

@@ -12,6 +12,7 @@ session entry removed, ACK or NACK (with its reason) posted once.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -28,6 +29,7 @@ from ..errors import (
     PeerLostError,
     WireFormatError,
 )
+from ..flow import ReceiveWindow
 from ._core import Core
 from ._deliveries import Deliveries
 from ._peers import PeerTable
@@ -48,7 +50,6 @@ class Receiver:
         self.budget = self.deliveries.budget
         self.reader = ObjectReader(core)
         self._inbox_limit = 4 * cfg.max_inflight + cfg.receive_buffer
-        self.deliveries.on_window = self._window_back
         self._made = 0  # deliveries made so far, and the last one (see _charged)
         self._last: Delivery | None = None
 
@@ -133,24 +134,29 @@ class Receiver:
 
     def _charged(self, peer: Peer, charge: int, mark: int) -> None:
         """The message just taken holds ``charge``: on the last delivery it made (given
-        back when that one is taken or dropped), or, if it made none, given back now.
-        The receiver forgets that delivery here: kept, it would keep its payload (a
-        copy-mode receive buffer: its pool block) alive after the application let go."""
+        back when that one is taken or dropped: ``ReceiveWindow.give``), or, if it made
+        none, given back now. The receiver forgets that delivery here: kept, it would
+        keep its payload (a copy-mode receive buffer: its pool block) alive after the
+        application let go."""
         last, self._last = self._last, None
         if self._made != mark and last is not None:
-            last._window = (peer, peer.generation, charge)
+            window = peer.rwindow
+            if window.on_reopen is None:
+                window.on_reopen = functools.partial(
+                    self._reopen_session, peer, window, peer.generation
+                )
+            last._window = window
+            last._charge = charge
         else:
             self.credit(peer, peer.generation, charge)
 
-    def _window_back(self, delivery: Delivery) -> None:
-        """A delivery holding a message's charge left the queue (taken or dropped):
-        :meth:`credit`, inline (once per message)."""
-        held = delivery._window
-        if held is not None:
-            delivery._window = None
-            peer, generation, charge = held
-            if peer.generation == generation and (increment := peer.rwindow.credit(charge)):
-                self._reopen(peer, increment)
+    def _reopen_session(
+        self, peer: Peer, window: ReceiveWindow, generation: int, increment: int
+    ) -> None:
+        """A delivery gave ``increment`` back to ``window``: tell the peer, if that is
+        still its session's window (a past session's window is gone)."""
+        if peer.rwindow is window and peer.generation == generation:
+            self._reopen(peer, increment)
 
     def on_progress(self, peer: Peer, msg: wire.DataProgressMessage) -> None:
         record = peer.session.on_progress(msg)
