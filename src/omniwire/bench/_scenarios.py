@@ -456,25 +456,52 @@ async def mix(pair: Pair, counts: Counts) -> Scenario:
 
 async def idle(pair: Pair, counts: Counts) -> Scenario:
     """CPU used by B (an endpoint connected to A, nothing sent) over ``idle_s``
-    seconds, against the raw zmq.asyncio process (its sockets connected, idle).
-    A's own CPU over the same interval (its endpoint and raw sockets) is a param."""
+    seconds, against the raw zmq.asyncio process (its sockets connected, idle); and,
+    over the same seconds, by a *far* endpoint: another process told apart as another
+    host (``--host-id``, TCP), so that the cross-host engines it runs (mooncake, nixl,
+    nccl) are started and connected — their progress threads are what idles there.
+    A's own CPU over the same interval (its endpoints and raw sockets) is a param."""
     import os
+    import secrets
+
+    from ._procs import omniwire_peer
 
     pair.step("idle endpoint")
-    await anyio.sleep(0.5)  # let the handshake's aftermath settle
-    pids = {"omniwire": pair.peer_pid, "raw": pair.raw.pid, "self": os.getpid()}
-    before = {k: cpu_seconds(p) for k, p in pids.items()}
-    start = time.perf_counter()
-    await anyio.sleep(counts.idle_s)
-    wall = time.perf_counter() - start
-    used = {k: cpu_seconds(p) - before[k] for k, p in pids.items()}
+    tag = secrets.token_hex(3)
+    far = await anyio.to_thread.run_sync(
+        omniwire_peer, f"far-{tag}", "tcp://127.0.0.1:0", ["--host-id", f"bench-far-{tag}"]
+    )
+    try:
+        async with Endpoint(
+            f"near-{tag}",
+            address="tcp://127.0.0.1:0",
+            peers={f"far-{tag}": far.info},
+            host_id=f"bench-near-{tag}",
+        ) as near:
+            await near.wait_peer(f"far-{tag}", 60)
+            await anyio.sleep(0.5)  # let the handshakes' aftermath settle
+            pids = {
+                "omniwire": pair.peer_pid,
+                "far": far.pid,
+                "raw": pair.raw.pid,
+                "self": os.getpid(),
+            }
+            before = {k: cpu_seconds(p) for k, p in pids.items()}
+            start = time.perf_counter()
+            await anyio.sleep(counts.idle_s)
+            wall = time.perf_counter() - start
+            used = {k: cpu_seconds(p) - before[k] for k, p in pids.items()}
+            engines = sorted(near.running_backends)
+    finally:
+        await anyio.to_thread.run_sync(far.stop)
     return Scenario(
         "idle",
         "idle endpoint CPU",
         "the raw zmq.asyncio process, its sockets connected, idle",
         f"CPU seconds (all threads, /proc/PID/task/*/schedstat) of B — an endpoint "
         f"connected to A, nothing sent yet — over {counts.idle_s:g} s, per second of wall "
-        "time (1.0 = one core busy).",
+        "time (1.0 = one core busy); cross-host: the same for an endpoint connected to "
+        "one on another (simulated) host, its cross-host engines started.",
         [
             Figure(
                 "cpu",
@@ -482,12 +509,20 @@ async def idle(pair: Pair, counts: Counts) -> Scenario:
                 used["omniwire"] / wall,
                 used["raw"] / wall,
                 targets=[Target(0.01, "lower", of="value")],
-            )
+            ),
+            Figure(
+                "cross-host cpu",
+                "core",
+                used["far"] / wall,
+                used["raw"] / wall,
+                targets=[Target(0.01, "lower", of="value")],
+            ),
         ],
         {
             "seconds": wall,
             "cpu_s": used,
             "self_cpu_share": used["self"] / wall,
+            "far_backends": engines,
         },
     )
 

@@ -4,6 +4,7 @@ watched directly, and the reads pending on the plane's sockets."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from typing import Any, cast
 
 import zmq
@@ -21,6 +22,10 @@ class Inbox:
         self._sockets = sockets
         self.pull: zmq.asyncio.Socket | None = None
         self._reads: set[asyncio.Future[Any]] = set()  # pending recv / recv_abort
+        #: The PULL socket's FD stays registered with the loop from the first wait on
+        #: (registering and unregistering it per wait cost ~10 µs): (loop, fd, socket).
+        self._watch: tuple[asyncio.AbstractEventLoop, int, zmq.asyncio.Socket] | None = None
+        self._waiter: asyncio.Future[None] | None = None  # the recv_many waiting, if any
 
     async def recv_many(self, limit: int) -> list[bytes]:
         pull = self.pull
@@ -41,26 +46,53 @@ class Inbox:
     async def _readable(self, sock: zmq.asyncio.Socket) -> None:
         """Wait until ``sock`` has a frame (its FD signals, ZMQ_EVENTS says POLLIN)."""
         loop = asyncio.get_running_loop()
+        watch = self._watch
+        if watch is None or watch[0] is not loop or watch[2] is not sock:
+            self._unwatch()
+            fd = cast(int, zmq.Socket.getsockopt(sock, zmq.FD))
+            loop.add_reader(fd, self._check)
+            self._watch = (loop, fd, sock)
         fut: asyncio.Future[None] = loop.create_future()
-        fd = cast(int, zmq.Socket.getsockopt(sock, zmq.FD))
-
-        def check() -> None:  # the FD only says "look": ZMQ_EVENTS tells (and re-arms it)
-            if fut.done():
-                return
-            try:
-                if cast(int, zmq.Socket.getsockopt(sock, zmq.EVENTS)) & zmq.POLLIN:
-                    fut.set_result(None)
-            except zmq.ZMQError as exc:
-                fut.set_exception(EndpointClosedError(f"control plane is closed: {exc}"))
-
+        self._waiter = fut
         self._reads.add(fut)
-        loop.add_reader(fd, check)
         try:
-            check()  # a frame may have arrived between the last recv and add_reader
+            self._check()  # a frame may have arrived between the last recv and now
             await fut
         finally:
-            loop.remove_reader(fd)
+            self._waiter = None
             self._reads.discard(fut)
+
+    def _check(self) -> None:
+        """The FD only says "look": ZMQ_EVENTS tells, and re-arms it — read it also
+        when nobody waits (frames being applied), else the FD stays readable and the
+        loop would call this every turn."""
+        watch = self._watch
+        if watch is None:
+            return
+        fut = self._waiter
+        try:
+            ready = cast(int, zmq.Socket.getsockopt(watch[2], zmq.EVENTS)) & zmq.POLLIN
+        except zmq.ZMQError as exc:
+            if fut is not None and not fut.done():
+                fut.set_exception(EndpointClosedError(f"control plane is closed: {exc}"))
+            return
+        if ready and fut is not None and not fut.done():
+            fut.set_result(None)
+
+    def _unwatch(self) -> None:
+        watch, self._watch = self._watch, None
+        if watch is None or watch[0].is_closed():
+            return
+        loop, fd = watch[0], watch[1]
+        try:
+            on_loop = asyncio.get_running_loop() is loop
+        except RuntimeError:
+            on_loop = False
+        if on_loop:
+            loop.remove_reader(fd)
+        else:  # closed from another thread: the loop's own thread unregisters it
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(loop.remove_reader, fd)
 
     async def read(self, sock: zmq.asyncio.Socket) -> bytes:
         """The next frame of ``sock``, one at a time (through pyzmq's futures)."""
@@ -80,5 +112,6 @@ class Inbox:
         fail_all(self._reads, closed_error)
 
     def close(self) -> None:
+        self._unwatch()  # before the socket (and its FD) goes
         self._sockets.close(self.pull)
         self.pull = None
