@@ -899,3 +899,53 @@ async def test_a_released_send_does_not_disturb_the_next_connection_to_that_name
     plane.disconnect("deaf")
     with pytest.raises(PeerLostError):
         await new
+
+
+@pytest.mark.asyncio
+async def test_the_pull_sockets_fd_stays_registered_and_does_not_spin_when_idle() -> None:
+    """The PULL socket's FD is registered with the loop once (not around every wait),
+    and reading ZMQ_EVENTS when it signals re-arms it: between bursts, and idle, the
+    loop does not call the FD's callback over and over."""
+    from omniwire import Endpoint
+
+    async with (
+        Endpoint("pa", address="tcp://127.0.0.1:0", host_id="host-pa") as a,
+        Endpoint(
+            "pb", address="tcp://127.0.0.1:0", peers={"pa": a.address}, host_id="host-pb"
+        ) as b,
+    ):
+        await b.wait_peer("pa", 20)
+        inbox = a._core.control._inbox
+        loop = asyncio.get_running_loop()
+        registered: list[int] = []
+        add_reader = loop.add_reader
+
+        def counting_add_reader(fd: Any, cb: Any, *args: Any) -> None:
+            registered.append(fd)
+            add_reader(fd, cb, *args)
+
+        loop.add_reader = counting_add_reader  # type: ignore[method-assign]
+        checks = 0
+        check = inbox._check
+
+        def counting_check() -> None:
+            nonlocal checks
+            checks += 1
+            check()
+
+        try:
+            watch = inbox._watch
+            assert watch is not None  # registered by the handshake's first wait
+            loop.remove_reader(watch[1])
+            add_reader(watch[1], counting_check)
+            for i in range(50):
+                await b.send("pa", {"i": i}, request_id=f"r{i}")
+                (await a.receive(10)).release()
+            busy = checks
+            await anyio.sleep(0.5)
+            idle = checks - busy
+        finally:
+            loop.add_reader = add_reader  # type: ignore[method-assign]
+    assert registered == []  # 50 waits, no new registration
+    assert busy >= 1  # the messages came through the watched FD
+    assert idle <= 5, f"the FD callback ran {idle} times in 0.5 s of idle"
