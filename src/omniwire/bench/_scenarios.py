@@ -12,7 +12,9 @@ is not counted.
 from __future__ import annotations
 
 import math
+import os
 import random
+import secrets
 import statistics
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -26,7 +28,7 @@ import torch
 
 from ..endpoint import Endpoint
 from ._model import Figure, Scenario, Target, percentile
-from ._procs import cpu_seconds
+from ._procs import cpu_seconds, omniwire_peer
 from ._rawzmq import LAST, RawZmq
 from ._units import KiB, MiB
 
@@ -139,8 +141,6 @@ class _CpuPerMessage:
     warm-up, is not counted). From ``/proc/PID/task/*/schedstat``: every thread."""
 
     def __init__(self, pair: Pair) -> None:
-        import os
-
         self.pids = {"omniwire": (os.getpid(), pair.peer_pid), "raw": (os.getpid(), pair.raw.pid)}
         self.rounds: dict[str, list[float]] = {"omniwire": [], "raw": []}
         self._started: dict[str, tuple[float, float]] = {}
@@ -461,11 +461,6 @@ async def idle(pair: Pair, counts: Counts) -> Scenario:
     host (``--host-id``, TCP), so that the cross-host engines it runs (mooncake, nixl,
     nccl) are started and connected — their progress threads are what idles there.
     A's own CPU over the same interval (its endpoints and raw sockets) is a param."""
-    import os
-    import secrets
-
-    from ._procs import omniwire_peer
-
     pair.step("idle endpoint")
     tag = secrets.token_hex(3)
     far = await anyio.to_thread.run_sync(
