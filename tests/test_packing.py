@@ -228,3 +228,30 @@ def test_unpack_inline_views_a_private_copy_of_the_chunk() -> None:
         assert torch.equal(g, t)
     got[0][0] = 99
     assert inline.data == data
+
+
+def test_pack_bytes_writes_the_values_of_lazy_views_and_odd_layouts() -> None:
+    """The inline image holds what the tensors read as: a lazily conjugated or negated
+    view's values (its memory holds others), a transposed view in C order, a tensor
+    that requires grad, a 0-dim tensor."""
+    z = torch.tensor([1 + 2j, 3 - 4j], dtype=torch.complex64)
+    tensors = [
+        z.conj(),
+        torch._neg_view(torch.arange(3.0)),
+        torch.arange(6, dtype=torch.int32).view(2, 3).t(),
+        torch.ones(3, dtype=torch.bfloat16, requires_grad=True),
+        torch.tensor(7, dtype=torch.int64),
+    ]
+    layout = packing.plan(tensors)
+    got = packing.unpack_inline(
+        wire.InlineStreamChunkRef(tensors=layout.metas, data=packing.pack_bytes(tensors, layout))
+    )
+    for g, t in zip(got, tensors, strict=True):
+        assert not g.is_conj() and not g.is_neg()
+        assert torch.equal(g, t.detach().resolve_conj().resolve_neg())
+    # the same image packed in two ranges that cut the first two tensors
+    image = torch.zeros(layout.nbytes, dtype=torch.uint8)
+    assert layout.metas[1].offset < 70 < layout.metas[1].offset + layout.metas[1].nbytes
+    for lo, hi in ((0, 12), (12, 70), (70, layout.nbytes)):
+        packing.pack_into(image, tensors, layout, lo, hi)
+    assert image.numpy().tobytes() == packing.pack_bytes(tensors, layout)

@@ -13,6 +13,7 @@ through a non-contiguous tensor.
 
 from __future__ import annotations
 
+import ctypes
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -161,13 +162,12 @@ def pack_bytes(tensors: Sequence[torch.Tensor], layout: PackPlan) -> bytes:
         if meta.offset > at:
             parts.append(bytes(meta.offset - at))
         if meta.nbytes:
-            src = t.detach() if t.requires_grad else t
-            if not (src.is_cpu and src.is_contiguous()):
-                src = src.to("cpu").contiguous()
-            if meta.dtype in _NUMPY:
-                parts.append(src.numpy().tobytes())  # C order: the packed layout
-            else:
-                parts.append(_flat_bytes(src).numpy().tobytes())
+            if not (t.is_cpu and t.is_contiguous()):
+                t = t.to("cpu").contiguous()
+            if t.is_conj() or t.is_neg():  # lazy views: the memory holds other values
+                t = t.resolve_conj().resolve_neg()
+            # C order is the packed layout: the bytes as they lie
+            parts.append(ctypes.string_at(t.data_ptr(), meta.nbytes))
         at = meta.offset + meta.nbytes
     return b"".join(parts)
 
@@ -197,8 +197,11 @@ def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
     """The bytes of a contiguous tensor as a 1-D uint8 view.
 
     torch calls a 1-element tensor with any stride contiguous; its flat view then
-    keeps that stride, which ``view(uint8)`` refuses, so such a tensor is copied.
+    keeps that stride, which ``view(uint8)`` refuses, so such a tensor is copied. A
+    lazily conjugated or negated view is resolved (its memory holds other values).
     """
+    if t.is_conj() or t.is_neg():
+        t = t.resolve_conj().resolve_neg()
     flat = t.reshape(-1)
     if not flat.numel():
         return torch.empty(0, dtype=torch.uint8, device=t.device)
