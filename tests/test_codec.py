@@ -37,6 +37,23 @@ def test_zero_copy_unpack_round_trips(value: Any) -> None:
     assert_payload_equal(value, _round_trip(value, copy=False))
 
 
+_SCALAR_TYPES = (str, bool, float, int, type(None))
+
+
+@given(payloads(max_leaves=6))
+def test_the_scalar_dict_header_is_the_one_dumps_writes(value: Any) -> None:
+    """``scalars_header`` (the metadata fast path) writes dumps' bytes for a dict of str
+    keys and plain scalars, and declines any other dict."""
+    for candidate in (value, {"v": value}, {"t": 2**63, "last": True, "g": "x", "f": 0.5}):
+        if type(candidate) is not dict:
+            continue
+        header = codec.scalars_header(candidate)
+        plain = all(type(k) is str and type(v) in _SCALAR_TYPES for k, v in candidate.items())
+        assert (header is not None) == plain  # (the strategy's ints fit in 64 bits)
+        if header is not None:
+            assert header == codec.dumps(candidate, root="metadata").header
+
+
 def test_containers_kept_distinct_and_shared_tensor_stays_shared() -> None:
     t = torch.arange(4.0)
     value = {"list": [1, t], "tuple": (1, t), (2, "k"): t, "nested": [(t,)]}
@@ -119,6 +136,41 @@ def test_nesting_limit_both_sides() -> None:
     header = b"\x91" * 70 + b"\x90"
     with pytest.raises(WireFormatError, match="deeper than 64"):
         codec.loads(header, [])
+
+
+class Holder(msgspec.Struct):
+    items: Any
+
+
+def _nested(levels: int) -> list[Any]:
+    deep: list[Any] = []
+    cur = deep
+    for _ in range(levels - 1):
+        nxt: list[Any] = []
+        cur.append(nxt)
+        cur = nxt
+    return deep
+
+
+def test_nesting_limit_counts_registered_types_alike_on_both_sides(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A registered type is a level wherever it is, for the reader as for the writer:
+    a header nested too deeply inside one, inside a list, is refused on the way in."""
+    codec.register_type(Holder, name="tests.Holder")
+    try:
+        ok = [Holder(items=_nested(62))]  # list, Holder, then 62 lists: 64 levels
+        assert _round_trip(ok) == ok
+        deep = [Holder(items=_nested(63))]
+        with pytest.raises(ValueError, match="deeper than 64"):
+            codec.dumps(deep)
+        monkeypatch.setattr(codec, "MAX_HEADER_DEPTH", 100)  # a writer that ignores the limit
+        header = codec.dumps(deep).header
+        monkeypatch.undo()
+        with pytest.raises(WireFormatError, match="deeper than 64"):
+            codec.loads(header, [])
+    finally:
+        codec.unregister_type(Holder)
 
 
 @dataclasses.dataclass

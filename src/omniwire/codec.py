@@ -54,6 +54,7 @@ __all__ = [
     "loads",
     "register_type",
     "registered_types",
+    "scalars_header",
     "unregister_type",
 ]
 
@@ -323,14 +324,8 @@ def _dumps_flat(value: dict[Any, Any]) -> Encoded | None:
     keys = tuple(value)
     tensors = list(value.values())
     if type(tensors[0]) is not torch.Tensor:
-        # Metadata-like: str keys and plain scalars encode as msgpack does them.
-        for k, v in zip(keys, tensors, strict=True):
-            kind = type(v)
-            if type(k) is not str or not (
-                kind in _FLAT_SCALARS or (kind is int and _I64_MIN <= v <= _U64_MAX)
-            ):
-                return None  # the general path takes it, or says what is wrong
-        return Encoded(_encoder.encode(value), [], [])
+        header = scalars_header(value)
+        return None if header is None else Encoded(header, [], [])
     for k, t in zip(keys, tensors, strict=True):
         if type(k) is not str or type(t) is not torch.Tensor:
             return None
@@ -340,6 +335,18 @@ def _dumps_flat(value: dict[Any, Any]) -> Encoded | None:
         return None  # a tensor twice: one table entry (the general path)
     header, paths = _flat_header(keys)
     return Encoded(header, tensors, list(paths))
+
+
+def scalars_header(value: dict[Any, Any]) -> bytes | None:
+    """The header :func:`dumps` writes for a dict of str keys and plain scalars (the
+    usual metadata), made without the walk; None for any other dict."""
+    for k, v in value.items():
+        kind = type(v)
+        if type(k) is not str or not (
+            kind in _FLAT_SCALARS or (kind is int and _I64_MIN <= v <= _U64_MAX)
+        ):
+            return None  # the general path takes it, or says what is wrong
+    return _encoder.encode(value)
 
 
 def _plain(t: torch.Tensor) -> bool:
@@ -453,7 +460,17 @@ _LEAVES: Final = frozenset({torch.Tensor, np.ndarray, str, bytes, int, float, bo
 
 
 def _depth(value: Any) -> int:
-    """Nesting depth of lists, dicts and tuples (scalars and tensors are depth 0)."""
+    """Nesting depth of lists, dicts, tuples and registered types (scalars and tensors
+    are depth 0); a dict's tuple keys nest too."""
+    kind = type(value)
+    if kind in _LEAVES:
+        return 0
+    if kind is dict:  # the common case, a flat dict (metadata), without the walk
+        for k, v in value.items():
+            if type(v) not in _LEAVES or type(k) is tuple:
+                break
+        else:
+            return 1
     deepest = 0
     stack: list[tuple[Any, int]] = [(value, 1)]
     while stack:
@@ -461,14 +478,15 @@ def _depth(value: Any) -> int:
         kind = type(item)
         if kind is list or kind is tuple:
             deepest = max(deepest, level)
-            stack.extend((v, level + 1) for v in item if type(v) in (list, dict, tuple))
+            stack.extend((v, level + 1) for v in item if type(v) not in _LEAVES)
         elif kind is dict:
             deepest = max(deepest, level)
-            stack.extend((v, level + 1) for v in item.values() if type(v) in (list, dict, tuple))
+            stack.extend((v, level + 1) for v in item.values() if type(v) not in _LEAVES)
             stack.extend((k, level + 1) for k in item if type(k) is tuple)  # keys nest too
         elif kind not in _LEAVES and (
             dataclasses.is_dataclass(item) or isinstance(item, msgspec.Struct)
         ):
+            deepest = max(deepest, level)
             stack.extend((v, level + 1) for v in _fields(item).values())
     return deepest
 

@@ -159,6 +159,8 @@ class Deliveries:
             EndpointNotStartedError, EndpointClosedError: nothing left and not open.
         """
         if request_id is None:
+            if from_stage is None and self._all and not self._holds:
+                return self._take(*next(iter(self._all.items())))  # the common case: O(1)
             return await self._wait(_Consumer(None, from_stage), timeout)
         self._hold(request_id, from_stage)
         try:
@@ -412,8 +414,11 @@ class DeliveryStream:
     async def __anext__(self) -> Delivery:
         if not self._open:
             raise StopAsyncIteration
+        queue = self._queue
+        if self.request_id is None and self.from_stage is None and queue._all and not queue._holds:
+            return queue._take(*next(iter(queue._all.items())))  # the common case: O(1)
         try:
-            d = await self._queue._wait(_Consumer(self.request_id, self.from_stage), None)
+            d = await queue._wait(_Consumer(self.request_id, self.from_stage), None)
         except EndpointNotStartedError:
             raise
         except EndpointClosedError:

@@ -278,6 +278,8 @@ class Sender:
     def metadata(self, metadata: Any) -> bytes:
         if metadata is None:
             return b""
+        if type(metadata) is dict and (header := codec.scalars_header(metadata)) is not None:
+            return header  # the usual metadata: str keys, plain scalars
         enc = codec.dumps(metadata, allow_pickle=self.core.config.allow_pickle, root="metadata")
         if enc.tensors:
             raise TypeError(f"metadata cannot hold tensors (found {enc.paths[0]})")
