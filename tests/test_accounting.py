@@ -6,6 +6,7 @@ the failure it names before the mechanism was fixed."""
 from __future__ import annotations
 
 import asyncio
+import functools
 from multiprocessing import shared_memory
 
 import anyio
@@ -94,6 +95,78 @@ async def test_a_slow_consumer_makes_an_inline_sender_wait() -> None:
         d = await b.receive(10)
         assert d.kind == "stream_chunk" and d.chunk_id == sent
         assert (await b.receive(10)).kind == "stream_end"
+
+
+@pytest.mark.asyncio
+async def test_concurrent_streams_wait_for_the_window_once_per_reopening_not_per_chunk() -> None:
+    """Was: once the window had filled, every chunk of every one of several concurrent
+    streams waited for it (a task granted the window went to the back of the queue
+    behind the others, woken but not yet run: a convoy), so a loaded sender paid a
+    wait — a cancel scope, an event, a trip around the loop — per message."""
+    producers, chunks = 8, 300
+    async with pair(receive_window=1 << 20, sender={"routes": {"b": "inline"}}) as (a, b):
+        got: dict[str, list[int]] = {}
+
+        async def consume() -> None:
+            for _ in range(producers * chunks):
+                d = await b.receive(30)
+                got.setdefault(d.request_id, []).append(d.chunk_id)
+
+        async def produce(j: int) -> None:
+            for _ in range(chunks):
+                await a.stream("b", torch.ones(256), request_id=f"s{j}")  # 1 KiB inline
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(consume)
+            for j in range(producers):
+                tg.start_soon(produce, j)
+        assert got == {f"s{j}": list(range(chunks)) for j in range(producers)}
+        waits = a.counters["window_waits"]
+        assert 1 <= waits <= producers * chunks // 10, waits
+
+
+@pytest.mark.asyncio
+async def test_a_chunk_sent_while_another_waits_for_the_window_does_not_overtake_its_id() -> None:
+    """The window lets a waiting chunk go, and before that chunk's task runs another
+    task sends a chunk of the same stream (it does not wait: the window has room).
+    That one leaves first, so it must carry the earlier id: a chunk takes its id when
+    it leaves, not when its send was called (which would put 4 before 3 on the wire)."""
+    chunk = torch.ones(256)  # 1 KiB: inline, ~1.4 KiB of charge
+    async with pair(receive_window=16 << 10, sender={"routes": {"b": "inline"}}) as (a, b):
+        window = a._peers.get("b").window
+        charge = wire.CHARGE_BASE + 1024 + wire.CHARGE_PER_TENSOR + len(codec.dumps(chunk).header)
+        queued = 0
+        while window.available >= charge:  # chunks until the next one must wait
+            await a.stream("b", chunk, request_id="s")
+            queued += 1
+        with anyio.fail_after(10):
+            while b.queued() < queued:
+                await anyio.sleep(0.01)
+        assert queued >= 1
+        raced: list[BaseException | None] = []
+        reopen = window.reopen
+
+        def reopen_then_race(increment: int) -> None:
+            reopen(increment)  # lets the waiting chunk go; its task has not run yet
+            if not raced:
+                coro = a.stream("b", chunk, request_id="s")
+                try:
+                    coro.send(None)  # the fast path: sent without suspending
+                except StopIteration:
+                    raced.append(None)
+                else:  # it had to wait after all: the test proves nothing
+                    coro.close()
+                    raced.append(AssertionError("the racing send waited"))
+
+        window.reopen = reopen_then_race  # type: ignore[method-assign]
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(functools.partial(a.stream, "b", chunk, request_id="s"))  # waits
+            await anyio.sleep(0.05)
+            assert a.counters["window_waits"] == 1
+            ids = [(await b.receive(10)).chunk_id for _ in range(queued)]  # reopens it
+            ids += [(await b.receive(10)).chunk_id for _ in range(2)]
+        assert raced == [None]
+        assert ids == list(range(queued + 2))
 
 
 @pytest.mark.asyncio

@@ -26,13 +26,14 @@ __all__ = ["Credits", "FairBudget", "ReceiveWindow", "Window"]
 
 
 class _Waiter:
-    __slots__ = ("count", "event", "key", "nbytes")
+    __slots__ = ("count", "event", "granted", "key", "nbytes")
 
     def __init__(self, nbytes: int, key: Hashable = None, count: int = 1) -> None:
         self.nbytes = nbytes
         self.key = key
         self.count = count
         self.event = anyio.Event()
+        self.granted = False  # Window: its charge was taken for it (see Window._wake)
 
 
 class _Fifo:
@@ -150,21 +151,40 @@ class Window(_Fifo):
             return True
         return False
 
+    async def acquire(self, nbytes: int) -> None:
+        """Wait until ``nbytes`` fit, then take them (handed over by :meth:`_wake`).
+        Cancellation leaves nothing held."""
+        if self.try_acquire(nbytes):
+            return
+        waiter = _Waiter(nbytes)
+        self._waiters.append(waiter)
+        try:
+            await waiter.event.wait()
+        except BaseException:
+            if waiter.granted:  # handed its charge, then cancelled: it goes back
+                self.reopen(nbytes)
+            else:
+                self._waiters.remove(waiter)
+                self._wake()
+            raise
+
     def reopen(self, increment: int) -> None:
         """The peer took ``increment`` bytes of charge; more than it was charged is ignored."""
         self.available = min(self.size, self.available + increment)
         self._wake()
 
     def _wake(self) -> None:
-        """Wake, at once, every waiter at the head that the window lets go (in order:
-        they run in one turn of the event loop, so their messages leave in one batch
-        instead of one frame per turn)."""
-        available = self.available
-        for waiter in self._waiters:
-            if not (waiter.nbytes <= available or available >= self.size):
-                return
+        """Hand the window, at once and in order, to every waiter at the head that it
+        lets go: their charge is taken here, so they leave the queue now. They run in
+        one turn of the event loop (their messages leave in one batch), and a task
+        that was let go sends on without waiting again behind the others while the
+        window has room (no convoy of one wait per message)."""
+        waiters = self._waiters
+        while waiters and self._fits(waiters[0].nbytes):
+            waiter = waiters.popleft()
+            self._take(waiter.nbytes)
+            waiter.granted = True
             waiter.event.set()
-            available -= waiter.nbytes
 
 
 class ReceiveWindow:

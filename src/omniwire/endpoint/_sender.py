@@ -18,6 +18,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 import anyio
+import msgspec
 import torch
 
 from .. import codec, hostinfo, packing, wire
@@ -104,7 +105,7 @@ class Sender:
                     core.outbox.post(peer, msg, charge)  # room in its queue: no wait
                     return carried_inline(peer, request_id, layout, stats)
                 with core.aborts.guard(request_id, target):
-                    await self._inline_window(peer, msg, kind, charge)
+                    msg = await self._inline_window(peer, msg, kind, charge)
                     await core.outbox.send(peer, msg, core.config.ack_timeout, charge)
                 return carried_inline(peer, request_id, layout, stats)
         with core.aborts.guard(request_id, target):
@@ -231,7 +232,7 @@ class Sender:
             stats, msg, charge = self._inline(
                 peer, route, enc, layout, request_id, kind, meta, traceparent
             )
-            await self._inline_window(peer, msg, kind, charge)
+            msg = await self._inline_window(peer, msg, kind, charge)
             await self.core.outbox.send(peer, msg, self.core.config.ack_timeout, charge)
             return carried_inline(peer, request_id, layout, stats)
         stats, chunk_id = self._account(peer, route, request_id, kind)
@@ -371,16 +372,21 @@ class Sender:
 
     async def _inline_window(
         self, peer: Peer, msg: wire.DataReadyMessage, kind: Kind, charge: int
-    ) -> None:
-        """:meth:`_window` for an inline message already accounted to its stream: if
-        it never goes (timeout, abort, cancellation), its chunk id is given back, so
-        the stream has no gap."""
-        try:
+    ) -> wire.DataReadyMessage:
+        """:meth:`_window` for an inline message just accounted to its stream; returns
+        the message to post at once. A stream chunk gives its chunk id back while it
+        waits and takes the stream's next one when the window lets it go: whichever
+        task's chunk the window lets go first, a stream's chunks leave in id order, and
+        one that never goes (timeout, abort, cancellation) leaves no gap."""
+        if kind != "stream_chunk":
             await self._window(peer, charge)
-        except BaseException:
-            if kind == "stream_chunk":
-                unaccount(peer, msg.request_id, msg.chunk_id)
-            raise
+            return msg
+        rid = msg.request_id
+        unaccount(peer, rid, msg.chunk_id)
+        await self._window(peer, charge)
+        chunk_id = peer.chunk_ids.get(rid, 0)
+        peer.chunk_ids[rid] = chunk_id + 1
+        return msg if chunk_id == msg.chunk_id else msgspec.structs.replace(msg, chunk_id=chunk_id)
 
     async def _window(self, peer: Peer, charge: int) -> None:
         """Take ``charge`` of the peer's window (spec §7.6), waiting while its
