@@ -376,7 +376,8 @@ def _unpack_bytes(
                     raise WireFormatError(f"offset {meta.offset} is not aligned to its dtype")
             count = meta.nbytes // np_dtype.itemsize
             array = np.frombuffer(buffer, dtype=np_dtype, count=count, offset=meta.offset)
-            out.append(torch.from_numpy(array.reshape(meta.shape)))
+            shape = meta.shape
+            out.append(torch.from_numpy(array if len(shape) == 1 else array.reshape(shape)))
         except (WireFormatError, ValueError, TypeError, OverflowError) as exc:
             name = repr(meta.path) if meta.path else f"#{i}"
             raise WireFormatError(f"tensor {name} ({meta.dtype}) {exc}") from exc
