@@ -37,7 +37,7 @@ from ..errors import (
     PeerUnresponsiveError,
     RequestAbortedError,
 )
-from ..routing import INLINE, PayloadInfo, Route
+from ..routing import INLINE, PayloadInfo, Route, RouteCache
 from ._buffers import TransportBuffer
 from ._core import Core
 from ._exporting import export_bytes, publish_rest
@@ -63,6 +63,8 @@ class Sender:
         self._ids = itertools.count(1)
         self._trace = trace
         self._routes_seen: set[tuple[str, str, str]] = set()
+        #: route_of's memo: (id(plan), kind, peer) -> (plan, the peer's RouteCache, route)
+        self._by_plan: dict[tuple[int, str, str], tuple[packing.PackPlan, RouteCache, Route]] = {}
         #: live transport buffers (``Endpoint.empty``), by their tensor's data_ptr, and
         #: the last released ones (at most 256: a send of one is a clear error)
         self.born: dict[int, TransportBuffer] = {}
@@ -95,7 +97,7 @@ class Sender:
             # The fast path: a small payload to a ready peer with room in its queue waits
             # for nothing, so it needs no guard and no trip around the event loop.
             layout = packing.plan(enc.tensors, enc.paths)
-            route = self.select(peer, payload_info(kind, enc.tensors, layout))
+            route = self.route_of(peer, kind, enc.tensors, layout)
             ready = (peer, layout, route)
             if route.backend == INLINE.name and core.outbox.has_room(peer):
                 stats, msg, charge = self._inline(
@@ -114,7 +116,7 @@ class Sender:
                 layout, route = ready[1], ready[2]
             else:
                 layout = packing.plan(enc.tensors, enc.paths)
-                route = self.select(peer, payload_info(kind, enc.tensors, layout))
+                route = self.route_of(peer, kind, enc.tensors, layout)
             born = self._born(enc.tensors)
             shared = forward = None
             if born is not None:
@@ -296,6 +298,22 @@ class Sender:
         return self.select(peer, payload_info(kind, enc.tensors, packing.plan(enc.tensors)))
 
     # -- routing -----------------------------------------------------------------------
+
+    def route_of(
+        self, peer: Peer, kind: Kind, tensors: list[torch.Tensor], layout: packing.PackPlan
+    ) -> Route:
+        """:meth:`select` for a payload packed by ``layout``, remembered by the plan for
+        the peer's session (its RouteCache): a stream of chunks of one shape asks once.
+        (Plans are cached by shape, so the same shape is the same plan object.)"""
+        key = (id(layout), kind, peer.name)
+        hit = self._by_plan.get(key)
+        if hit is not None and hit[0] is layout and hit[1] is peer.routes and not self._trace:
+            return hit[2]
+        route = self.select(peer, payload_info(kind, tensors, layout))
+        if len(self._by_plan) >= 1024:
+            self._by_plan.clear()
+        self._by_plan[key] = (layout, peer.routes, route)  # holds the plan: its id stays its
+        return route
 
     def select(self, peer: Peer, info: PayloadInfo) -> Route:
         """The policy's route for this edge and payload (cached per peer session)."""
