@@ -126,11 +126,15 @@ async def test_concurrent_streams_wait_for_the_window_once_per_reopening_not_per
 
 
 @pytest.mark.asyncio
-async def test_a_chunk_sent_while_another_waits_for_the_window_does_not_overtake_its_id() -> None:
-    """The window lets a waiting chunk go, and before that chunk's task runs another
-    task sends a chunk of the same stream (it does not wait: the window has room).
-    That one leaves first, so it must carry the earlier id: a chunk takes its id when
-    it leaves, not when its send was called (which would put 4 before 3 on the wire)."""
+@pytest.mark.parametrize("waiting", ["chunk", "end"])
+async def test_a_chunk_sent_while_another_waits_for_the_window_does_not_overtake_its_id(
+    waiting: str,
+) -> None:
+    """The window lets a waiting chunk (or the stream's end) go, and before its task
+    runs another task sends a chunk of the same stream (it does not wait: the window
+    has room). That one leaves first, so it must carry the earlier id: a chunk, and
+    an end, take their id when they leave, not when their send was called (which
+    put 4 before 3 on the wire, or a chunk 0 after the end)."""
     chunk = torch.ones(256)  # 1 KiB: inline, ~1.4 KiB of charge
     async with pair(receive_window=16 << 10, sender={"routes": {"b": "inline"}}) as (a, b):
         window = a._peers.get("b").window
@@ -159,14 +163,18 @@ async def test_a_chunk_sent_while_another_waits_for_the_window_does_not_overtake
                     raced.append(AssertionError("the racing send waited"))
 
         window.reopen = reopen_then_race  # type: ignore[method-assign]
+        if waiting == "chunk":
+            wait = functools.partial(a.stream, "b", chunk, request_id="s")
+        else:  # an end charged more than a chunk: it waits where a chunk still fits
+            wait = functools.partial(a.end_stream, "b", request_id="s", metadata={"p": "x" * 2000})
         async with anyio.create_task_group() as tg:
-            tg.start_soon(functools.partial(a.stream, "b", chunk, request_id="s"))  # waits
+            tg.start_soon(wait)
             await anyio.sleep(0.05)
             assert a.counters["window_waits"] == 1
-            ids = [(await b.receive(10)).chunk_id for _ in range(queued)]  # reopens it
-            ids += [(await b.receive(10)).chunk_id for _ in range(2)]
+            got = [await b.receive(10) for _ in range(queued + 2)]  # the first reopen it
         assert raced == [None]
-        assert ids == list(range(queued + 2))
+        assert [d.chunk_id for d in got] == list(range(queued + 2))
+        assert [d.kind for d in got][-1] == ("stream_end" if waiting == "end" else "stream_chunk")
 
 
 @pytest.mark.asyncio

@@ -274,8 +274,12 @@ class Sender:
                 traceparent=traceparent,
             )
             charge = fit(msg)
-            peer.chunk_ids.pop(request_id, None)
             await self._window(peer, charge)
+            # its chunk id as it leaves: a chunk another task sent while it waited is
+            # still before it (and one that never leaves ends nothing)
+            chunk_id = peer.chunk_ids.pop(request_id, 0)
+            if chunk_id != msg.chunk_id:
+                msg = msgspec.structs.replace(msg, chunk_id=chunk_id)
             await core.outbox.send(peer, msg, core.config.ack_timeout, charge)
 
     def metadata(self, metadata: Any) -> bytes:
