@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import ctypes
+from typing import Any
+
 import msgspec
 import pytest
 import torch
@@ -228,6 +231,32 @@ def test_unpack_inline_views_a_private_copy_of_the_chunk() -> None:
         assert torch.equal(g, t)
     got[0][0] = 99
     assert inline.data == data
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: torch.tensor([1 + 2j, 3 - 4j], dtype=torch.complex64).conj(),
+        lambda: torch._neg_view(torch.arange(3.0)),
+        lambda: torch.arange(6, dtype=torch.int32).view(2, 3).t(),
+        lambda: torch.arange(8, dtype=torch.int16)[::3],
+        lambda: torch.ones(3, dtype=torch.bfloat16, requires_grad=True),
+        lambda: torch.ones(3, requires_grad=True),
+        lambda: torch.tensor(7, dtype=torch.int64),
+        lambda: torch.tensor([True, False, True]),
+    ],
+    ids=["conj", "neg", "transposed", "strided", "bf16-grad", "f32-grad", "0-dim", "bool"],
+)
+def test_a_single_tensor_packs_to_the_values_it_reads_as(make: Any) -> None:
+    """One tensor (the path that asks numpy for its bytes first) packs to the bytes of
+    its values in C order, whichever way numpy refuses it."""
+    t = make()
+    want = t.detach().resolve_conj().resolve_neg().contiguous()
+    layout = packing.plan([t])
+    data = packing.pack_bytes([t], layout)
+    assert data == ctypes.string_at(want.data_ptr(), want.numel() * want.element_size())
+    (got,) = packing.unpack_inline(wire.InlineStreamChunkRef(tensors=layout.metas, data=data))
+    assert torch.equal(got, want)
 
 
 def test_pack_bytes_writes_the_values_of_lazy_views_and_odd_layouts() -> None:
