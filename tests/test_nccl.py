@@ -173,6 +173,35 @@ def test_zero_copy_fetch_and_partial_ranges(nccl_class: type[Any]) -> None:
     anyio.run(run)
 
 
+@pytest.mark.parametrize("options", [{}, {"ordered": True}], ids=["tagged", "ordered"])
+def test_a_fetch_cancelled_while_it_waits_leaves_the_receive_to_a_later_fetch(
+    nccl_class: type[Any], options: dict[str, Any]
+) -> None:
+    """The wait is not shielded (a shield costs a turn of the loop per object): a
+    cancelled fetch must leave the receive going and a later fetch able to wait."""
+
+    async def run() -> None:
+        async with _bare_pair(nccl_class, options) as (a, b, pb, pa):
+            n = 1 << 16
+            out = await a.export(pb, n, "cpu")
+            data = _pattern(3, n)
+            out.buffer.copy_(data)
+            imp = await b.import_(pa, out.ref, n)
+            dest = torch.zeros(n, dtype=torch.uint8)
+            with anyio.move_on_after(0.3) as scope:
+                await imp.fetch(0, n, dest)  # nothing sent yet: it waits
+            assert scope.cancelled_caught
+            await out.publish(0, n)
+            with anyio.fail_after(30):
+                await imp.fetch(0, n, dest)
+            assert torch.equal(dest, data)
+            imp.close()
+            out.release()
+            await _settle(a, b, sends=1, consumed=0)
+
+    anyio.run(run)
+
+
 def test_disconnect_fails_pending_fetch_and_reconnect_builds_a_new_group(
     nccl_class: type[Any],
 ) -> None:

@@ -93,7 +93,7 @@ def poll_until(
 class _Watch:
     """One transfer :class:`Completions` waits for, and the future it settles."""
 
-    __slots__ = ("cancelled", "done", "future", "loop", "started", "timeout", "what")
+    __slots__ = ("cancelled", "done", "finished", "future", "loop", "started", "timeout", "what")
 
     def __init__(
         self,
@@ -110,6 +110,8 @@ class _Watch:
         self.cancelled = cancelled
         self.loop = loop
         self.future = future
+        #: settled with ``future`` but never cancelled: a cancelled waiter awaits it
+        self.finished: asyncio.Future[None] = loop.create_future()
         self.started = time.monotonic()
 
     def outcome(self, now: float) -> BaseException | bool:
@@ -129,8 +131,10 @@ class _Watch:
         return False
 
 
-def _settle(future: asyncio.Future[None], outcome: BaseException | bool) -> None:
-    if future.done():
+def _settle(watch: _Watch, outcome: BaseException | bool) -> None:
+    watch.finished.set_result(None)
+    future = watch.future
+    if future.done():  # its waiter was cancelled
         return
     if isinstance(outcome, BaseException):
         future.set_exception(outcome)
@@ -173,7 +177,8 @@ class Completions:
         """Wait until ``done()`` (called in this object's thread) returns True.
 
         Like a worker thread's call, the wait is not cancellable: it ends when the
-        engine says so, at the timeout, or when ``cancelled()`` turns true.
+        engine says so, at the timeout, or when ``cancelled()`` turns true; a
+        cancellation of the waiter is raised then.
 
         Raises:
             TransferTimeoutError: not done within ``timeout`` seconds.
@@ -192,8 +197,16 @@ class Completions:
             self._watches.append(watch)
             self.waited += 1
             self._cond.notify()
-        with anyio.CancelScope(shield=True):
+        try:
             await watch.future
+        except asyncio.CancelledError:
+            # the cancellation cancelled the future; the transfer still runs: wait for
+            # its end (in anyio's shielded scope, where a cancellation is not delivered
+            # again), then let the cancellation through. (That scope, entered on every
+            # wait, would cost a turn of the event loop: see threads.Threads.run.)
+            with anyio.CancelScope(shield=True):
+                await watch.finished
+            raise
 
     def _run(self) -> None:
         _fine_timer_slack()
@@ -211,7 +224,7 @@ class Completions:
                 if outcome is not False:
                     ended.append(w)
                     with contextlib.suppress(RuntimeError):  # its loop is closed
-                        w.loop.call_soon_threadsafe(_settle, w.future, outcome)
+                        w.loop.call_soon_threadsafe(_settle, w, outcome)
             with self._cond:
                 for w in ended:
                     self._watches.remove(w)

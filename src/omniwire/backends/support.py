@@ -33,6 +33,7 @@ from .completion import (
     TransferTimeoutError,
     poll_until,
 )
+from .threads import Threads
 
 __all__ = [
     "Completions",
@@ -42,6 +43,7 @@ __all__ = [
     "RegisteredRecvPool",
     "RegistrationCache",
     "Releaser",
+    "Threads",
     "TransferAbandonedError",
     "TransferTimeoutError",
     "byte_view",

@@ -33,6 +33,7 @@ from ..support import (
     lend,
     mib,
 )
+from ..threads import Threads
 from . import _blobs as blobs
 from ._engine import Engine, import_error, read, shared_engine
 from ._memory import Registered, new_pool, recv_pool, registration_cache
@@ -150,10 +151,10 @@ class _Import(Import):
         read keeps ``dest``).
 
         Registration (none for memory registered already: the landing slot, the
-        registered receive pool's blocks), reads and the wait for them are one
-        worker-thread call. (Not submitted on the event loop: the TCP transport
-        connects to the peer inside its submit call, which blocks while a link is
-        down.)"""
+        registered receive pool's blocks), reads and the wait for them are one call
+        in one of the backend's threads (:class:`~omniwire.backends.threads.Threads`).
+        (Not submitted on the event loop: the TCP transport connects to the peer
+        inside its submit call, which blocks while a link is down.)"""
         reads = []
         for at, remote, length in self.spans:
             a, b = max(lo, at), min(hi, at + length)
@@ -183,7 +184,7 @@ class _Import(Import):
                     engine.unregister(local + lo)
 
         try:
-            await anyio.to_thread.run_sync(run)
+            await mc._threads.run(run)
         except (TransferTimeoutError, TransferAbandonedError) as exc:
             if dest is not None:
                 # the caller's memory: kept referenced (so not reused), and registered
@@ -261,6 +262,8 @@ class MooncakeBackend(ByteBackend):
         self._pool_addr = 0
         self._hello = b""
         self._releaser = Releaser("omniwire-mooncake")
+        #: where reads wait for the engine (a thread per read in flight, kept)
+        self._threads = Threads("omniwire-mooncake-read")
         self._pool: SlotPool[Registered] | None = None
         self._registrations: RegistrationCache[int] | None = None
         #: Copy-mode receive buffers, registered once per block (delivery_buffer).
@@ -376,6 +379,7 @@ class MooncakeBackend(ByteBackend):
         region, self._region = self._region, None
 
         def teardown() -> None:
+            self._threads.stop()
             self._releaser.stop()
             if engine is not None:
                 for addr in cached:

@@ -145,8 +145,7 @@ class _Import(Import):
             except Exception as exc:
                 link.fail(engine_error(f"receive from {link.pair.name!r} failed", exc))
         if not h.done:
-            assert h.future is not None
-            await asyncio.shield(h.future)
+            await _received(h)
         if h.error is not None:
             raise h.error
         if h.data is None:
@@ -168,6 +167,23 @@ class _Import(Import):
         h = self.h
         if not h.posted and h.nbytes:  # never fetched: the send must still meet a receive
             self.nccl._consume(h)
+
+
+async def _received(h: Inbound) -> None:
+    """Wait for ``h``'s receive to complete. Not through ``asyncio.shield`` (its
+    callback costs a turn of the event loop per object): a cancellation that cancels
+    the future leaves a new one for a later fetch (the receive goes on)."""
+    fut = h.future
+    assert fut is not None
+    try:
+        await fut
+    except asyncio.CancelledError:
+        if fut.cancelled():
+            with h.link.lock:
+                if not h.done and h.future is fut:  # (complete() reads it under the lock)
+                    h.future = fut.get_loop().create_future()
+                    h.future.add_done_callback(_consume_exception)
+        raise
 
 
 class NcclBackend(ByteBackend):
