@@ -10,6 +10,7 @@ import os
 import secrets
 import subprocess
 import sys
+import threading
 import weakref
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -452,6 +453,62 @@ async def test_an_abandoned_read_quarantines_its_landing_slot() -> None:
         assert detail["pool_quarantined"] == 1 and detail["pool_bytes_in_use"] == 4096
         assert b.stats().idle  # the handle is gone; the memory stays out of use
     assert engine.registered == {}  # both pools and every buffer unregistered
+
+
+class GatedEngine(StuckEngine):
+    """An engine whose reads complete once ``gate`` is set (they land nothing)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = threading.Event()
+        self.status_threads: set[str] = set()
+
+    def status(self, batch: int) -> int:
+        self.status_threads.add(threading.current_thread().name)
+        return 1 if self.gate.is_set() else 0
+
+
+@pytest.mark.asyncio
+async def test_reads_in_flight_are_waited_for_by_one_thread_and_outlive_a_cancellation() -> None:
+    """Objects that stream arrive as many reads at once: one completion thread checks
+    them all (a polling thread each took the cores from the engine); a fetch cancelled
+    meanwhile returns only once its read ended (the engine writes into its memory)."""
+    engine = GatedEngine()
+    async with _pair(engine, register_dest=False) as (a, b, peer_a, peer_b):
+        outs = [await _send(a, peer_b, torch.ones(4096, dtype=torch.uint8)) for _ in range(6)]
+        imps = [await b.import_(peer_a, out.ref, 4096) for out in outs]
+        ended_at_cancel: list[bool] = []
+        done: list[int] = []
+
+        async def fetch(i: int) -> None:
+            await imps[i].fetch(0, 4096)
+            done.append(i)
+
+        async def cancelled_fetch(scope: anyio.CancelScope) -> None:
+            with scope:
+                try:
+                    await imps[5].fetch(0, 4096)
+                finally:
+                    ended_at_cancel.append(engine.gate.is_set())
+
+        scope = anyio.CancelScope()
+        async with anyio.create_task_group() as tg:
+            for i in range(5):
+                tg.start_soon(fetch, i)
+            tg.start_soon(cancelled_fetch, scope)
+            await anyio.sleep(0.2)  # every read is submitted and polled
+            assert engine.submitted == 6 and not done
+            scope.cancel()
+            await anyio.sleep(0.2)
+            assert ended_at_cancel == []  # the cancelled fetch still waits for its read
+            engine.gate.set()
+        assert sorted(done) == [0, 1, 2, 3, 4] and ended_at_cancel == [True]
+        assert engine.status_threads == {"omniwire-mooncake-completions"}
+        assert b._completions.waited == 6
+        for imp, out in zip(imps, outs, strict=True):
+            imp.close()
+            out.release()
+        assert b.stats().detail["pool_quarantined"] == 0  # every read ended: slots reused
 
 
 async def _fetch_until_the_peer_is_lost(b: Any, imp: Any, peer_a: PeerInfo, **kw: Any) -> None:

@@ -23,6 +23,7 @@ from ..base import (
 )
 from ..pool import Lease, SlotPool
 from ..support import (
+    Completions,
     LentExport,
     RegisteredRecvPool,
     RegistrationCache,
@@ -35,7 +36,7 @@ from ..support import (
 )
 from ..threads import Threads
 from . import _blobs as blobs
-from ._engine import Engine, import_error, read, shared_engine
+from ._engine import Engine, Reads, import_error, shared_engine, submit
 from ._memory import Registered, new_pool, recv_pool, registration_cache
 
 __all__ = ["MooncakeBackend"]
@@ -151,10 +152,14 @@ class _Import(Import):
         read keeps ``dest``).
 
         Registration (none for memory registered already: the landing slot, the
-        registered receive pool's blocks), reads and the wait for them are one call
-        in one of the backend's threads (:class:`~omniwire.backends.threads.Threads`).
-        (Not submitted on the event loop: the TCP transport connects to the peer
-        inside its submit call, which blocks while a link is down.)"""
+        registered receive pool's blocks) and the submit are one call in one of the
+        backend's threads (:class:`~omniwire.backends.threads.Threads`; not on the
+        event loop: the TCP transport may connect to the peer inside its submit call,
+        which blocks while a link is down); the backend's one
+        :class:`~omniwire.backends.completion.Completions` thread then waits for every
+        read in flight (a thread polling per read, dozens of them while objects
+        stream, took the cores from the engine).
+        """
         reads = []
         for at, remote, length in self.spans:
             a, b = max(lo, at), min(hi, at + length)
@@ -163,28 +168,39 @@ class _Import(Import):
         timeout = self.mc.timeout + (hi - lo) / 100e6
         peer = self.peer
         mc = self.mc
+        session = self.session
 
         def lost() -> bool:
             return peer.key not in mc._peers
 
-        def run() -> None:
+        def start() -> Reads:
             if register:
                 engine.register(local + lo, hi - lo)
-            landed = False
             try:
-                read(engine, self.session, reads, timeout, lost)
-                landed = True
-            except (TransferTimeoutError, TransferAbandonedError):
+                return submit(engine, session, reads, timeout)
+            except TransferTimeoutError:
                 raise  # it may still land: the memory stays registered, see _abandoned
             except BaseException:
-                landed = True  # the engine ended every read (failed): nothing will land
-                raise
-            finally:
-                if register and landed:
+                if register:  # the engine ended every read it took: nothing will land
                     engine.unregister(local + lo)
+                raise
 
+        ended = False  # every read ended (done or failed): nothing lands later
         try:
-            await mc._threads.run(run)
+            # Like a worker thread's call: a cancellation lands once every read ended
+            # (or timed out: then its memory is abandoned below), never while the
+            # engine may write into memory the caller would reuse.
+            with anyio.CancelScope(shield=True):
+                batch = await mc._threads.run(start)
+                try:
+                    await mc._completions.wait(
+                        batch.done, timeout=timeout, what=batch.what, cancelled=lost
+                    )
+                except BackendError as exc:
+                    ended = not isinstance(exc, (TransferTimeoutError, TransferAbandonedError))
+                    raise
+            ended = True
+            batch.check()
         except (TransferTimeoutError, TransferAbandonedError) as exc:
             if dest is not None:
                 # the caller's memory: kept referenced (so not reused), and registered
@@ -197,6 +213,9 @@ class _Import(Import):
             raise type(exc)(
                 f"{exc} (peer {peer.name!r}, bytes [{lo}, {hi}) of a {self.nbytes}-byte object)"
             ) from None
+        finally:
+            if register and ended:
+                await mc._threads.run(lambda: engine.unregister(local + lo))
 
     def _close(self) -> None:
         self._settle()
@@ -262,8 +281,9 @@ class MooncakeBackend(ByteBackend):
         self._pool_addr = 0
         self._hello = b""
         self._releaser = Releaser("omniwire-mooncake")
-        #: where reads wait for the engine (a thread per read in flight, kept)
-        self._threads = Threads("omniwire-mooncake-read")
+        #: where reads are submitted (blocking calls), and where they are waited for
+        self._threads = Threads("omniwire-mooncake-submit")
+        self._completions = Completions("omniwire-mooncake-completions")
         self._pool: SlotPool[Registered] | None = None
         self._registrations: RegistrationCache[int] | None = None
         #: Copy-mode receive buffers, registered once per block (delivery_buffer).
@@ -379,6 +399,7 @@ class MooncakeBackend(ByteBackend):
         region, self._region = self._region, None
 
         def teardown() -> None:
+            self._completions.stop()
             self._threads.stop()
             self._releaser.stop()
             if engine is not None:

@@ -27,7 +27,15 @@ from ..._native import engine_stderr
 from ...errors import BackendError
 from ..support import TransferTimeoutError, poll_until
 
-__all__ = ["Engine", "Reads", "TransferEngine", "import_error", "read", "shared_engine"]
+__all__ = [
+    "Engine",
+    "Reads",
+    "TransferEngine",
+    "import_error",
+    "read",
+    "shared_engine",
+    "submit",
+]
 
 
 class Engine(Protocol):
@@ -152,6 +160,33 @@ class Reads:
             raise BackendError(f"mooncake: {self.failures[0]} from session {self.session}")
 
 
+def submit(
+    engine: Engine, session: str, reads: Sequence[tuple[int, int, int]], timeout: float
+) -> Reads:
+    """Start each ``(local, remote, length)`` read of ``session`` (blocking: the TCP
+    transport may connect to the peer first); check them with :meth:`Reads.done`.
+
+    Raises:
+        BackendError: the engine refused one; those submitted before it were waited
+            for (nothing of them lands later).
+        TransferTimeoutError: it refused one, and those before it did not finish
+            within ``timeout`` (they may still land).
+    """
+    batch = Reads(engine, session, reads)
+    try:
+        batch.submit()
+    except BackendError:
+        if batch.pending:  # those already submitted may still land: wait for them first
+            try:
+                poll_until(batch.done, timeout=timeout, what=batch.what)
+            except TransferTimeoutError:
+                raise
+            except BackendError:
+                pass
+        raise
+    return batch
+
+
 def read(
     engine: Engine,
     session: str,
@@ -168,18 +203,7 @@ def read(
         TransferTimeoutError: not all done within ``timeout`` (they may still land).
         BackendError: the engine refused or failed a read; the others were waited for.
     """
-    batch = Reads(engine, session, reads)
-    try:
-        batch.submit()
-    except BackendError:
-        if batch.pending:  # those already submitted may still land: wait for them first
-            try:
-                poll_until(batch.done, timeout=timeout, what=batch.what)
-            except TransferTimeoutError:
-                raise
-            except BackendError:
-                pass
-        raise
+    batch = submit(engine, session, reads, timeout)
     poll_until(batch.done, timeout=timeout, what=batch.what, cancelled=cancelled, spin=spin)
     batch.check()
 
