@@ -344,3 +344,20 @@ def test_a_partition_only_one_side_noticed_fails_in_flight_objects_at_the_heal(
         cluster["c"].set_rate("1gbit")
         for side in (send, recv):
             side.kill()
+
+
+def test_mooncake_slices_tcp_transfers_in_whole_segments_of_a_hosts_veth(
+    cluster: Cluster,
+) -> None:
+    """In a host whose veth has an MTU of 1500, the engine the backend starts cuts
+    transfers into 45 segments of 1448 bytes (a slice ending in a short segment
+    waited for the reader's delayed ACK: about 60 ms for one 1 MiB read in ten)."""
+    a = cluster["a"]
+    probe = (
+        "import os; from omniwire.backends.mooncake._engine import shared_engine; "
+        f"shared_engine({a.ip!r}, 'tcp', ''); print(os.environ['MC_TCP_SLICE_SIZE'])"
+    )
+    env = {k: v for k, v in clean_env().items() if k != "MC_TCP_SLICE_SIZE"}
+    done = a.run([sys.executable, "-c", probe], timeout=60, capture_output=True, text=True, env=env)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split()[-1] == str(45 * 1448)

@@ -777,3 +777,40 @@ async def test_copy_mode_deliveries_reuse_registered_receive_blocks() -> None:
                 await receipt.wait()
             registrations.append(b.backend("mooncake").stats().detail["recv_pool_registrations"])
         assert 1 <= registrations[1] <= 2 and registrations[-1] == registrations[1], registrations
+
+
+# -- the TCP transport's slice -----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("mtu", "timestamps", "slice_size"),
+    [
+        (1500, True, 45 * 1448),  # Ethernet: 45 whole segments of 1448 bytes
+        (1500, False, 44 * 1460),
+        (9000, True, 7 * 8948),  # jumbo frames
+        (1400, True, 48 * 1348),
+        (65536, True, None),  # loopback: the engine's own 64 KiB
+        (300, True, None),
+    ],
+)
+def test_the_tcp_slice_is_a_whole_number_of_segments(
+    mtu: int, timestamps: bool, slice_size: int | None
+) -> None:
+    """A slice that ends in a short segment waits for the reader's delayed ACK (Nagle):
+    about 60 ms for one 1 MiB read in ten at an MTU of 1500."""
+    from omniwire.backends.mooncake._engine import slice_for_mtu
+
+    got = slice_for_mtu(mtu, timestamps)
+    assert got == slice_size
+    if got is not None:
+        assert got <= 64 << 10 and got % (mtu - 40 - 12 * timestamps) == 0
+
+
+def test_the_tcp_slice_follows_the_interface_that_holds_the_engines_address() -> None:
+    from omniwire.backends.mooncake._engine import _interface_mtu, tcp_slice_size
+
+    with open("/sys/class/net/lo/mtu") as f:
+        assert _interface_mtu("127.0.0.1") == int(f.read())
+    assert tcp_slice_size("127.0.0.1") is None  # loopback keeps the engine's slice
+    assert _interface_mtu("198.18.255.254") is None  # no interface of ours holds it
+    assert tcp_slice_size("not-an-address") is None

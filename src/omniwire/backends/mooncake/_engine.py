@@ -16,9 +16,13 @@ freeze every thread of the process.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import importlib
 import os
+import socket
+import struct
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
@@ -34,7 +38,9 @@ __all__ = [
     "import_error",
     "read",
     "shared_engine",
+    "slice_for_mtu",
     "submit",
+    "tcp_slice_size",
 ]
 
 
@@ -71,6 +77,69 @@ def import_error() -> str | None:
     return None
 
 
+#: ``MC_TCP_SLICE_SIZE`` as the user set it (None: ours to choose), read at import.
+_USER_SLICE = os.environ.get("MC_TCP_SLICE_SIZE")
+#: The TCP transport's own slice: 64 KiB.
+_ENGINE_SLICE = 64 << 10
+_SIOCGIFADDR = 0x8915
+
+
+def _interface_mtu(host: str) -> int | None:
+    """The MTU of the local interface that holds IPv4 address ``host`` (Linux), or
+    None (not an address of ours, not IPv4, no such information)."""
+    try:
+        packed = socket.inet_aton(host)
+        names = [name for _, name in socket.if_nameindex()]
+    except OSError:
+        return None
+    with contextlib.suppress(OSError), socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for name in names:
+            try:
+                req = struct.pack("256s", name.encode()[:15])
+                addr = fcntl.ioctl(s.fileno(), _SIOCGIFADDR, req)[20:24]
+            except OSError:
+                continue  # no IPv4 address
+            if addr == packed:
+                with open(f"/sys/class/net/{name}/mtu") as f:
+                    return int(f.read())
+    return None
+
+
+def tcp_slice_size(host: str) -> int | None:
+    """The slice the TCP transport should cut transfers into when it serves them from
+    ``host``: the largest whole number of TCP segments (the MSS of the interface's
+    MTU, with TCP timestamps as Linux sends them by default) in the engine's 64 KiB;
+    None to keep the engine's own (not an Ethernet interface of ours). A path with a
+    smaller MTU than the interface's still stalls; ``MC_TCP_SLICE_SIZE`` set by the
+    user is kept.
+
+    Why: the transport writes 64 KiB slices, and at an MTU of 1500 each slice ends in
+    a short segment, which the kernel holds back (Nagle) until the reader's delayed
+    ACK comes. Between two namespace hosts (MTU 1500), one 1 MiB read in ten took
+    about 60 ms instead of 3; with slices of 45 whole segments none took over 6 ms,
+    our 1 MiB one-way went from 100–170 to 500–590 MB/s (mean of 300; streamed
+    165–226 → 617–707 MB/s), and the bare engine's from 0.65–0.76 to 1.7 GB/s."""
+    mtu = _interface_mtu(host)
+    if mtu is None:
+        return None
+    try:
+        with open("/proc/sys/net/ipv4/tcp_timestamps") as f:
+            timestamps = f.read().strip() != "0"
+    except OSError:
+        timestamps = True
+    return slice_for_mtu(mtu, timestamps)
+
+
+def slice_for_mtu(mtu: int, timestamps: bool = True) -> int | None:
+    """:func:`tcp_slice_size` for an interface of ``mtu`` bytes: whole segments of its
+    IPv4 MSS in 64 KiB; None outside Ethernet's MTUs (576–9216, jumbo frames
+    included: loopback's 64 KiB MTU does not set its segments, and it does not stall)."""
+    if not 576 <= mtu <= 9216:
+        return None
+    mss = mtu - 40 - (12 if timestamps else 0)  # IPv4 and TCP headers, the timestamp option
+    return (_ENGINE_SLICE // mss) * mss
+
+
 class TransferEngine:
     """A started ``mooncake.engine.TransferEngine`` (``P2PHANDSHAKE``, no metadata
     server) with checked calls.
@@ -85,6 +154,10 @@ class TransferEngine:
             engine = importlib.import_module("mooncake.engine").TransferEngine()
         except (ImportError, OSError) as exc:
             raise BackendError(f"mooncake: cannot load the transfer engine: {exc}") from exc
+        if protocol == "tcp" and _USER_SLICE is None:
+            slice_size = tcp_slice_size(host)
+            if slice_size is not None:  # read by the transport when it starts
+                os.environ["MC_TCP_SLICE_SIZE"] = str(slice_size)
         with engine_stderr("mooncake") as native:  # its glog lines go to omniwire.native
             rc = engine.initialize(host, "P2PHANDSHAKE", protocol, device_name)
         if rc != 0:
