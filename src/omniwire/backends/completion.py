@@ -13,9 +13,8 @@ import threading
 import time
 from collections.abc import Callable
 
-import anyio
-
 from ..errors import BackendClosedError, BackendError
+from .threads import settle, until_ended
 
 __all__ = ["Completions", "TransferAbandonedError", "TransferTimeoutError", "poll_until"]
 
@@ -132,14 +131,8 @@ class _Watch:
 
 
 def _settle(watch: _Watch, outcome: BaseException | bool) -> None:
-    watch.finished.set_result(None)
-    future = watch.future
-    if future.done():  # its waiter was cancelled
-        return
-    if isinstance(outcome, BaseException):
-        future.set_exception(outcome)
-    else:
-        future.set_result(None)
+    failed = isinstance(outcome, BaseException)
+    settle(watch.future, watch.finished, not failed, outcome if failed else None)
 
 
 class Completions:
@@ -197,16 +190,7 @@ class Completions:
             self._watches.append(watch)
             self.waited += 1
             self._cond.notify()
-        try:
-            await watch.future
-        except asyncio.CancelledError:
-            # the cancellation cancelled the future; the transfer still runs: wait for
-            # its end (in anyio's shielded scope, where a cancellation is not delivered
-            # again), then let the cancellation through. (That scope, entered on every
-            # wait, would cost a turn of the event loop: see threads.Threads.run.)
-            with anyio.CancelScope(shield=True):
-                await watch.finished
-            raise
+        await until_ended(watch.future, watch.finished)
 
     def _run(self) -> None:
         _fine_timer_slack()

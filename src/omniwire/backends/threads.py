@@ -23,7 +23,7 @@ import anyio
 
 from ..errors import BackendClosedError
 
-__all__ = ["Threads"]
+__all__ = ["Threads", "settle", "until_ended"]
 
 T = TypeVar("T")
 
@@ -32,16 +32,33 @@ _Job = tuple[
 ]
 
 
-def _settle(
+def settle(
     future: asyncio.Future[Any], finished: asyncio.Future[None], ok: bool, value: Any
 ) -> None:
+    """On the loop, once a thread's work ended: ``finished`` always, ``future`` (with
+    ``value`` as its result, or as its exception unless ``ok``) unless its waiter was
+    cancelled (then what the work returned or raised goes nowhere)."""
     finished.set_result(None)
-    if future.done():  # cancelled: what fn returned or raised goes nowhere
+    if future.done():
         return
     if ok:
         future.set_result(value)
     else:
         future.set_exception(value)
+
+
+async def until_ended(future: asyncio.Future[T], finished: asyncio.Future[None]) -> T:
+    """``await future``, for work that must not be abandoned: when the waiter is
+    cancelled (which cancels ``future``), wait for ``finished`` (see :func:`settle`) in
+    anyio's shielded scope, where a cancellation is not delivered again, then let the
+    cancellation through. (Entered on every wait, as ``asyncio.shield`` would be, that
+    scope costs a turn of the event loop, about 20–25 µs here.)"""
+    try:
+        return await future
+    except asyncio.CancelledError:
+        with anyio.CancelScope(shield=True):
+            await finished
+        raise
 
 
 class Threads:
@@ -68,9 +85,7 @@ class Threads:
 
         Like ``anyio.to_thread.run_sync`` (without ``abandon_on_cancel``), the call
         is not cancellable: a cancellation takes effect once ``fn`` returned, so the
-        memory it works on is never reused while it runs. (Only a cancelled call
-        enters anyio's shielded scope: entered on every call, as ``asyncio.shield``,
-        it costs a turn of the event loop, about 20–25 µs here.)
+        memory it works on is never reused while it runs (:func:`until_ended`).
 
         Raises:
             BackendClosedError: :meth:`stop` was called.
@@ -91,15 +106,7 @@ class Threads:
                 self._threads.append(thread)
                 thread.start()
             self._jobs.put((fn, loop, future, finished))
-        try:
-            return await future
-        except asyncio.CancelledError:
-            # the cancellation cancelled ``future``, but fn still runs: wait for it
-            # (in anyio's shielded scope, where a cancellation is not delivered again),
-            # then let the cancellation through
-            with anyio.CancelScope(shield=True):
-                await finished
-            raise
+        return await until_ended(future, finished)
 
     def _serve(self) -> None:
         while True:
@@ -115,7 +122,7 @@ class Threads:
             with self._lock:
                 self._pending -= 1
             with contextlib.suppress(RuntimeError):  # its loop is closed
-                loop.call_soon_threadsafe(_settle, future, finished, *outcome)
+                loop.call_soon_threadsafe(settle, future, finished, *outcome)
             del future, finished, outcome
 
     def stop(self, timeout: float = 10.0) -> None:
