@@ -13,6 +13,7 @@ import contextlib
 import json
 import os
 import queue
+import re
 import shlex
 import signal
 import subprocess
@@ -44,6 +45,12 @@ def host_env(host: Host) -> list[str]:
 def clean_env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("OMNIWIRE_HOST_ID", "UCX_NET_DEVICES")}
     return {**env, "OMP_NUM_THREADS": "1", "MC_LOG_LEVEL": "ERROR"}
+
+
+def _namespaces() -> set[str]:
+    return set(
+        subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
+    )
 
 
 @pytest.fixture(scope="module")
@@ -361,3 +368,39 @@ def test_mooncake_slices_tcp_transfers_in_whole_segments_of_a_hosts_veth(
     done = a.run([sys.executable, "-c", probe], timeout=60, capture_output=True, text=True, env=env)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split()[-1] == str(45 * 1448)
+
+
+@pytest.mark.timeout(240)
+def test_the_namespace_bench_sets_each_engine_beside_its_bare_engine_and_the_control_bound(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """``omniwire bench --namespaces``: the peers, the bare engine's other end and the
+    raw zmq.asyncio peer all run in the second host (its own namespaces, made and
+    removed by the bench), so every baseline crosses the same veth as omniwire;
+    the control round trip (a raw zmq.asyncio round trip of a DataReady-sized
+    message between the hosts) bounds each lent row's ×raw."""
+    del cluster  # only for its skip: the bench makes its own two hosts
+    before = _namespaces()
+    out = tmp_path / "ns.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "omniwire.cli", "bench", "--namespaces", "--backends", "mooncake",
+         "--sizes", "64K", "--iters", "5", "--json", str(out)],
+        timeout=220, capture_output=True, text=True, env=clean_env(),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    table = json.loads(out.read_text())["table"]
+    other = re.search(r"<Host b (198\.1[89]\.[0-9.]+) ", done.stdout)
+    assert other is not None, done.stdout[:500]
+    assert table["zmq_peer"].startswith(f"tcp://{other.group(1)}:")
+    control = table["control_rtt_us"]
+    assert control > 0
+    assert table["zmq_rtt_us"]["65536"] > 0
+    rows = {r["mode"]: r for r in table["rows"]}
+    assert set(rows) == {"copy", "lent"}
+    for r in rows.values():
+        assert r["raw_gbps"] > 0 and 0 < r["bound"] < 1
+        raw_s = 65536 / (r["raw_gbps"] * 1e9)
+        assert abs(r["bound"] - raw_s / (raw_s + control / 1e6)) < 1e-6
+    assert "round trip of a control message (512 B)" in done.stdout
+    assert "×raw  bound" in done.stdout
+    assert _namespaces() == before  # the bench removed the hosts it made

@@ -19,6 +19,7 @@ from typing import Any
 
 import anyio
 
+from .. import rawbench
 from . import _born as _born_mod
 from . import _forward as _forward_mod
 from . import _scenarios, _table
@@ -116,12 +117,22 @@ def _host() -> dict[str, Any]:
 
 @contextlib.asynccontextmanager
 async def _raw_zmq() -> AsyncIterator[RawZmq]:
-    base = new_base()
-    child = await anyio.to_thread.run_sync(
-        Child, [sys.executable, "-m", "omniwire.bench._rawzmq", base], "raw zmq.asyncio peer"
-    )
-    raw = RawZmq(base, child.pid)
+    """The raw zmq.asyncio peer: here over ipc, or on the other host over TCP (the
+    peers' placement, ``--namespaces``)."""
+    place = rawbench.placement()
+    remote = place.launch or place.there != place.here
+    raw = RawZmq(f"tcp://{place.here}" if remote else new_base())
     try:
+        argv = [sys.executable, "-m", "omniwire.bench._rawzmq"]
+        argv += [f"tcp://{place.there}", raw.back_address] if remote else [raw.base]
+        child = await anyio.to_thread.run_sync(
+            Child, [*place.launch, *argv], "raw zmq.asyncio peer"
+        )
+    except BaseException:
+        raw.close()
+        raise
+    try:
+        raw.connect(child.pid, child.info.split())
         yield raw
     finally:
         raw.close()

@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 __all__ = [
+    "CONTROL_BYTES",
     "SCHEMA",
     "Figure",
     "Results",
@@ -131,6 +132,9 @@ class Row:
     raw_gbps: float | None = None
     #: one-way GB/s over ``raw_gbps`` (engines only)
     vs_raw: float | None = None
+    #: the most ``vs_raw`` can be with one control round trip per transfer: the bare
+    #: transfer's seconds over those plus ``Table.control_rtt_us``
+    bound: float | None = None
     #: raw zmq.asyncio round trip of ``size`` bytes (same run), and rtt_p50 over it
     zmq_rtt_us: float | None = None
     vs_zmq: float | None = None
@@ -141,10 +145,19 @@ class Row:
         self.vs_memcpy = ratio(self.oneway_gbps, self.memcpy_gbps)
 
 
+#: The message of the control round trip that bounds a one-way transfer (about a
+#: DataReady's encoded size; its ACK is smaller).
+CONTROL_BYTES = 512
+
+
 @dataclass
 class Table:
     memcpy_gbps: dict[int, float] = field(default_factory=dict)
     zmq_rtt_us: dict[int, float] = field(default_factory=dict)
+    #: raw zmq.asyncio round trip of a control-sized message (with the bare engines)
+    control_rtt_us: float | None = None
+    #: where the raw zmq.asyncio peer served (``ipc://…`` here, ``tcp://…`` another host)
+    zmq_peer: str = ""
     raw_engine_gbps: dict[str, dict[int, float]] = field(default_factory=dict)
     rows: list[Row] = field(default_factory=list)
     #: size -> (one-way seconds alone, one-way seconds behind a held 1 KiB object)
@@ -194,6 +207,8 @@ class Results:
             table = {
                 "memcpy_gbps": t.memcpy_gbps,
                 "zmq_rtt_us": t.zmq_rtt_us,
+                "control_rtt_us": t.control_rtt_us,
+                "zmq_peer": t.zmq_peer,
                 "raw_engine_gbps": t.raw_engine_gbps,
                 "rows": [asdict(r) for r in t.rows],
                 "obstructed_s": {

@@ -2,7 +2,10 @@
 
 The other process (``python -m omniwire.bench._rawzmq BASE``, asyncio, no torch)
 binds three PULL sockets and connects one PUSH back to this process; each PULL
-is served by its own task, as tight as an application would write it:
+is served by its own task, as tight as an application would write it. ``BASE`` is
+an ``ipc://`` path prefix (both processes on this host), or ``tcp://IP BACK``: the
+other process binds on ``IP`` (another host of ``omniwire bench --namespaces``),
+says where on its READY line, and connects back to ``BACK``.
 
 - ``BASE-echo``: every message is sent back as it came;
 - ``BASE-count``: messages are counted; one whose first byte is ``L`` (the last)
@@ -74,15 +77,19 @@ async def _mix(pull: zmq.asyncio.Socket, back: zmq.asyncio.Socket) -> None:
                 ended = 0
 
 
-async def serve(base: str) -> None:
-    """Serve the three baselines until SIGTERM/SIGINT."""
+_NAMES = ("echo", "count", "mix")
+
+
+async def serve(base: str, back_address: str | None = None) -> None:
+    """Serve the three baselines until SIGTERM/SIGINT (over TCP when ``back_address``
+    is given: ``base`` is then ``tcp://IP``)."""
     ctx = zmq.asyncio.Context()
     back = ctx.socket(zmq.PUSH)
-    back.connect(f"{base}-back")
+    back.connect(back_address or f"{base}-back")
     pulls = []
-    for name in ("echo", "count", "mix"):
+    for name in _NAMES:
         s = ctx.socket(zmq.PULL)
-        s.bind(f"{base}-{name}")
+        s.bind(f"{base}:0" if back_address else f"{base}-{name}")
         pulls.append(s)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -91,7 +98,8 @@ async def serve(base: str) -> None:
     tasks = [
         asyncio.create_task(fn(s, back)) for fn, s in zip((_echo, _count, _mix), pulls, strict=True)
     ]
-    print("READY", flush=True)
+    where = " ".join(str(s.getsockopt_string(zmq.LAST_ENDPOINT)) for s in pulls)
+    print(f"READY {where}" if back_address else "READY", flush=True)
     await stop.wait()
     for t in tasks:
         t.cancel()
@@ -99,7 +107,7 @@ async def serve(base: str) -> None:
     for s in (*pulls, back):
         s.close(0)
     ctx.term()
-    for name in ("echo", "count", "mix"):
+    for name in _NAMES:
         _unlink(f"{base}-{name}")
 
 
@@ -116,22 +124,32 @@ def _unlink(address: str) -> None:
 class RawZmq:
     """Sockets to a running baseline process (see the module docstring).
 
-    Make it with :meth:`connect` inside the event loop; ``pid`` is the other process.
+    Make it inside the event loop: bind the answers' socket (``ipc://`` base: at
+    ``BASE-back``; ``tcp://IP``: on a free port, :attr:`back_address`), start the
+    other process, then :meth:`connect` to its sockets (at ``BASE-NAME``, or where
+    its READY line said).
     """
 
-    def __init__(self, base: str, pid: int) -> None:
+    def __init__(self, base: str) -> None:
         self.base = base
-        self.pid = pid
+        self.pid = 0
         self.ctx = zmq.asyncio.Context()
         self.back = self.ctx.socket(zmq.PULL)
-        self.back.bind(f"{base}-back")
-        self.echo_push = self._push("echo")
-        self.count_push = self._push("count")
-        self.mix_push = self._push("mix")
+        self.back.bind(f"{base}:0" if base.startswith("tcp://") else f"{base}-back")
+        self.back_address = str(self.back.getsockopt_string(zmq.LAST_ENDPOINT))
 
-    def _push(self, name: str) -> zmq.asyncio.Socket:
+    def connect(self, pid: int, where: Sequence[str] = ()) -> None:
+        """Connect to the other process ``pid``, bound at ``where`` (its READY line's
+        three addresses) or at ``BASE-NAME``."""
+        self.pid = pid
+        addresses = list(where) or [f"{self.base}-{name}" for name in _NAMES]
+        #: where the other process serves (for the report)
+        self.peer_addresses = addresses
+        self.echo_push, self.count_push, self.mix_push = (self._push(a) for a in addresses)
+
+    def _push(self, address: str) -> zmq.asyncio.Socket:
         s = self.ctx.socket(zmq.PUSH)
-        s.connect(f"{self.base}-{name}")
+        s.connect(address)
         return s
 
     async def echo(self, msg: bytes) -> bytes:
@@ -158,8 +176,10 @@ class RawZmq:
         return array.array("q", await self.back.recv())
 
     def close(self) -> None:
-        for s in (self.echo_push, self.count_push, self.mix_push, self.back):
-            s.close(0)
+        pushes = [getattr(self, n, None) for n in ("echo_push", "count_push", "mix_push")]
+        for s in (*pushes, self.back):
+            if s is not None:
+                s.close(0)
         self.ctx.term()
         _unlink(f"{self.base}-back")
 
@@ -172,10 +192,10 @@ def new_base() -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
-    if len(args) != 1:
-        print("usage: python -m omniwire.bench._rawzmq BASE-ADDRESS", file=sys.stderr)
+    if len(args) not in (1, 2) or (len(args) == 2) != args[0].startswith("tcp://"):
+        print("usage: python -m omniwire.bench._rawzmq ipc://BASE | tcp://IP BACK", file=sys.stderr)
         return 2
-    asyncio.run(serve(args[0]))
+    asyncio.run(serve(args[0], args[1] if len(args) == 2 else None))
     return 0
 
 

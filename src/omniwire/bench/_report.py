@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 
-from ._model import Figure, Results, Scenario, Table, Target
+from ._model import CONTROL_BYTES, Figure, Results, Scenario, Table, Target
 from ._units import MiB, fmt_count, fmt_rate, fmt_ratio, fmt_size, fmt_time
 
 __all__ = ["fmt_figure", "report", "target_text"]
@@ -103,6 +103,12 @@ def _table(table: Table, scenarios: dict[str, Scenario]) -> Iterator[str]:
         yield "  raw zmq.asyncio round trip: " + ", ".join(
             f"{fmt_size(s)} {fmt_time(us / 1e6)}" for s, us in sorted(table.zmq_rtt_us.items())
         )
+    if table.control_rtt_us is not None:
+        yield (
+            f"  raw zmq.asyncio round trip of a control message ({fmt_size(CONTROL_BYTES)}): "
+            f"{fmt_time(table.control_rtt_us / 1e6)} — a one-way transfer waits at least "
+            "the bare engine plus this (its announcement and its ACK): the bound of ×raw"
+        )
     for name, figures in table.raw_engine_gbps.items():
         yield f"  raw {name} one-way: " + ", ".join(
             f"{fmt_size(s)} {fmt_rate(g * 1e9)}" for s, g in sorted(figures.items())
@@ -117,6 +123,7 @@ def _table(table: Table, scenarios: dict[str, Scenario]) -> Iterator[str]:
         "one-way",
         "×memcpy",
         "×raw",
+        "bound",
         "streamed",
         "msgs/s",
     )
@@ -133,6 +140,7 @@ def _table(table: Table, scenarios: dict[str, Scenario]) -> Iterator[str]:
                 fmt_rate(r.oneway_gbps * 1e9),
                 _small_ratio(r.vs_memcpy),
                 _small_ratio(r.vs_raw),
+                _small_ratio(r.bound),
                 fmt_rate(r.stream_gbps * 1e9),
                 f"{r.msgs_per_s:,.0f}",
             )
@@ -167,6 +175,11 @@ def _met(ok: bool) -> str:
     return "met" if ok else "NOT met"
 
 
+def _of_bound(vs_raw: float, bound: float) -> str:
+    """How much of the control round trip's bound a row reached."""
+    return f"{100 * vs_raw / bound:.0f} % of it"
+
+
 def _table_targets(table: Table, shm_rows: bool) -> Iterator[str]:
     size = 64 * MiB
     for mode, target in (("copy", 0.5), ("zero-copy", 0.8)):
@@ -187,6 +200,8 @@ def _table_targets(table: Table, shm_rows: bool) -> Iterator[str]:
                 if mode == "lent":  # issue #21's goals
                     goal = 0.95 if s == 64 * MiB else 0.6 if name == "nccl" else 0.7
                     met = f" (≥ {goal}×: {_met(r.vs_raw >= goal)})"
+                    if r.bound is not None:
+                        met += f" (bound {fmt_ratio(r.bound)}: {_of_bound(r.vs_raw, r.bound)})"
                 yield (
                     f"    {name} {mode} {fmt_size(s)}: {fmt_rate(r.oneway_gbps * 1e9)} one-way = "
                     f"{fmt_ratio(r.vs_raw)} the raw engine "

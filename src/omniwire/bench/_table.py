@@ -11,9 +11,13 @@ of each size and measures:
 - **streamed**: back-to-back transfers with credits in flight — throughput and msgs/s.
 
 Baselines from the same run: memcpy per size, a raw ``zmq.asyncio`` round trip
-per size (up to ``ZMQ_MAX``), and for each cross-host engine the bare engine
-(:mod:`omniwire.rawbench`), its transfers interleaved one by one with the row's
-one-way transfers (``vs_raw``). With shm, the *obstructed* case too: a large
+per size (up to ``ZMQ_MAX``; between the two hosts with ``--namespaces``), and for
+each cross-host engine the bare engine (:mod:`omniwire.rawbench`), its transfers
+interleaved one by one with the row's one-way transfers (``vs_raw``). With the bare
+engines, also the bound of ``vs_raw`` that one control round trip sets: a one-way
+transfer is announced to the peer and acknowledged back, so it takes at least the
+bare transfer plus a raw zmq round trip of ``CONTROL_BYTES``; ``bound = raw / (raw
++ round trip)``. With shm, the *obstructed* case too: a large
 object sent while a zero-copy consumer holds a 1 KiB one. A row (backend and
 mode) that fails is reported and the table goes on.
 """
@@ -33,7 +37,7 @@ import torch
 
 from .. import rawbench
 from ..endpoint import Endpoint
-from ._model import Results, Row, Table
+from ._model import CONTROL_BYTES, Results, Row, Table
 from ._procs import Child, ipc_base, omniwire_peer
 from ._rawzmq import RawZmq
 from ._units import KiB, MiB, fmt_size
@@ -216,8 +220,11 @@ async def _bench_backend(
                     backend, mode, size, p50, p99, oneway, streamed, msgs, table.memcpy_gbps[size]
                 )
                 if raw_times:
-                    row.raw_gbps = size / statistics.median(raw_times) / 1e9
+                    raw_s = statistics.median(raw_times)
+                    row.raw_gbps = size / raw_s / 1e9
                     row.vs_raw = row.oneway_gbps / row.raw_gbps
+                    if table.control_rtt_us is not None:
+                        row.bound = raw_s / (raw_s + table.control_rtt_us / 1e6)
                 zmq = table.zmq_rtt_us.get(size)
                 if zmq:
                     row.zmq_rtt_us, row.vs_zmq = zmq, row.rtt_p50_us / zmq
@@ -293,8 +300,9 @@ def steps(
     """Progress steps :func:`run_table` takes."""
     ps = plans(backends)
     n_raw = sum(1 for b, _ in ps if raw and b in rawbench.ENGINES)
+    n_control = 1 if n_raw else 0
     n_obstructed = len(obstructed) if "shm" in backends else 0
-    return 2 * len(sizes) + n_raw + len(ps) * len(sizes) + n_obstructed
+    return 2 * len(sizes) + n_raw + n_control + len(ps) * len(sizes) + n_obstructed
 
 
 async def run_table(
@@ -310,6 +318,8 @@ async def run_table(
     """Measure the table into ``results.table``; a failing row group or baseline is
     recorded in ``results.errors`` and the rest goes on."""
     table = results.table = Table()
+    if zmq is not None:
+        table.zmq_peer = zmq.peer_addresses[0]
     for size in sizes:
         step(f"memcpy {fmt_size(size)}")
         table.memcpy_gbps[size] = memcpy_gbps(size)
@@ -320,6 +330,12 @@ async def run_table(
                 table.zmq_rtt_us[size] = await zmq_rtt_us(zmq, size, max(iters, 200))
             except Exception as exc:
                 results.fail(f"table: raw zmq.asyncio round trip of {fmt_size(size)}", exc)
+    if zmq is not None and raw_engines and any(b in rawbench.ENGINES for b in backends):
+        step(f"raw zmq.asyncio round trip {fmt_size(CONTROL_BYTES)} (a control round trip)")
+        try:
+            table.control_rtt_us = await zmq_rtt_us(zmq, CONTROL_BYTES, max(iters, 400))
+        except Exception as exc:
+            results.fail("table: raw zmq.asyncio control round trip", exc)
     for backend, mode in plans(backends):
         try:
             await _bench_backend(
