@@ -84,3 +84,18 @@ async def test_an_abort_while_in_flight_leaves_the_buffer_to_its_owner() -> None
         d.release()
         await receipt.wait(10)
         buf.release()
+
+
+async def test_a_lazily_conjugated_or_negated_view_of_a_born_tensor_arrives_as_its_values() -> None:
+    """``buf.tensor.conj()`` is the born tensor's memory with a conjugate bit: those
+    bytes are not its values, so it is packed (resolved), never sent by reference."""
+    async with pair(**SHM) as (a, b):
+        buf = await a.empty("b", (4096,), torch.complex64)
+        buf.tensor.copy_(torch.complex(torch.arange(4096.0), torch.ones(4096)))
+        for rid, view in (("conj", buf.tensor.conj()), ("neg", torch._neg_view(buf.tensor))):
+            receipt = await a.send("b", view, request_id=rid)
+            d = await b.receive(10)
+            assert torch.equal(d.payload, view.resolve_conj().resolve_neg()), rid
+            await receipt.wait(10)
+        await buf.settled(10)
+        buf.release()

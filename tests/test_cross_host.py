@@ -111,3 +111,52 @@ async def _echo(ep: Endpoint, peer: str, value: Any, rid: str) -> Any:
         d = await ep.receive()
         await receipt.wait()
         return d
+
+
+@pytest.mark.parametrize(
+    ("engine", "how"),
+    [
+        ("mooncake", {}),
+        ("nixl", {"policy": PreferenceOrderPolicy(["nixl"])}),
+        ("nccl", {"routes": "nccl"}),
+    ],
+)
+def test_lent_conjugate_and_negated_views_arrive_as_their_values(
+    remote: tuple[PeerProcess, str], engine: str, how: dict[str, Any]
+) -> None:
+    """A lazily conjugated (or negated) tensor lent to an engine: its memory holds
+    other values than it reads as, so it is packed (resolved), not read in place."""
+    peer, tag = remote
+    kw: dict[str, Any] = {}
+    if "policy" in how:
+        kw["policy"] = how["policy"]
+    if "routes" in how:
+        kw["routes"] = {peer.name: how["routes"]}
+    ep = Endpoint(
+        f"src-{engine}-{tag}",
+        address="tcp://127.0.0.1:0",
+        peers={peer.name: peer.address},
+        backends=["local", "shm", *ENGINES],
+        ack_timeout=60,
+        **kw,
+    )
+    z = torch.complex(torch.arange(1 << 13, dtype=torch.float32), torch.ones(1 << 13))
+    views = {
+        "conj": z.conj(),  # contiguous, its memory holds the unconjugated values
+        "neg": torch._neg_view(torch.arange(1 << 14, dtype=torch.float32)),
+    }
+    assert all(v.is_contiguous() for v in views.values())
+    with start_blocking_portal() as portal, portal.wrap_async_context_manager(ep):
+        portal.call(ep.wait_peer, peer.name, 60)
+        for key, view in views.items():
+            d = portal.call(_echo_lent, ep, peer.name, {key: view}, f"lent-{engine}-{key}")
+            assert d.backend == engine
+            assert torch.equal(d.payload[key], view.resolve_conj().resolve_neg()), key
+
+
+async def _echo_lent(ep: Endpoint, peer: str, value: Any, rid: str) -> Any:
+    with anyio.fail_after(60):
+        receipt = await ep.send(peer, value, request_id=rid, lend=True)
+        d = await ep.receive()
+        await receipt.wait()
+        return d

@@ -230,6 +230,12 @@ class TestWireBlobs:
     @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
     @given(st.lists(tensors(), min_size=1, max_size=6))
     def test_any_tensor_rebuilds_bit_exactly(self, ts: list[torch.Tensor]) -> None:
+        """Any tensor whose memory holds its values (``export_tensors`` packs a lazily
+        conjugated or negated one; :func:`plan_shares` refuses it)."""
+        if not all(packing.holds_its_values(t) for t in ts):
+            with pytest.raises(BackendError, match="conjugated or negated"):
+                _plan(ts)
+            ts = [t.resolve_conj().resolve_neg() for t in ts]
         ref, storages = _plan(ts)
         decoded = decode_ref(ci.encode(ref), _peer(), packed_length(ts))
         assert isinstance(decoded, ci.TensorsRef)
@@ -686,6 +692,20 @@ class TestBackendOnAFakeGpu:
             assert stats.idle and stats.detail["sent_in_place"] == 1
             assert stats.detail["pool_bytes_in_use"] == 0 and p.b.stats().idle
             assert len(fake.made) == 4  # five storages, one of them empty (no handle)
+        assert fake.balanced()
+
+    @pytest.mark.asyncio
+    async def test_a_lazily_conjugated_or_negated_tensor_is_packed_not_shared(self) -> None:
+        """Its storage holds other values than it reads as: shared in place, the
+        receiver would rebuild those (the bit does not travel)."""
+        fake = FakeGPU()
+        async with Pair(fake, recv_device=0) as p:
+            z = torch.complex(torch.arange(64.0), torch.ones(64))
+            for ts in ([z.conj()], [torch._neg_view(torch.arange(64.0))], [z, z.conj()]):
+                out, got = await p.round_trip(ts)
+                assert out.layout == "packed"
+                _check_equal([t.resolve_conj().resolve_neg() for t in ts], got)
+            await settle(p.a, p.b)
         assert fake.balanced()
 
     @pytest.mark.asyncio

@@ -302,3 +302,36 @@ async def test_an_old_reader_refuses_a_forward_and_a_new_one_only_a_declared_one
     finally:
         creator.unlink(directory)
         creator.close()
+
+
+async def test_a_lazily_conjugated_view_of_a_delivery_is_packed_not_forwarded() -> None:
+    """``delivery.conj()`` lies in the delivery's memory, which holds the unconjugated
+    values: forwarded by reference, the reader would get those."""
+    async with (
+        Endpoint("c", address=ipc_address("c"), zero_copy=True) as c,
+        Endpoint(
+            "b",
+            address=ipc_address("b"),
+            zero_copy=True,
+            peers={"c": c.address},
+            routes={"c": "shm"},
+        ) as b,
+        Endpoint("a", address=ipc_address("a"), peers={"b": b.address}, routes={"b": "shm"}) as a,
+    ):
+        await a.wait_peer("b", 10)
+        await b.wait_peer("c", 10)
+        z = torch.complex(torch.arange(1 << 16, dtype=torch.float32), torch.ones(1 << 16))
+        upstream = await a.send("b", z, request_id="z")
+        d = await b.receive(10)
+        assert d.zero_copy
+        forwarded = []
+        for rid, view in (("as-is", d.payload), ("conj", d.payload.conj())):
+            receipt = await b.send("c", view, request_id=rid, lend=True)
+            e = await c.receive(10)
+            assert torch.equal(e.payload, view.resolve_conj()), rid
+            forwarded.append(b._core.counters.get("objects_forwarded", 0))
+            e.release()
+            await receipt.wait(10)
+        assert forwarded == [1, 1]  # the view as it is went by reference, the conj was packed
+        d.release()
+        await upstream.wait(10)

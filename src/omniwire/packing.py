@@ -29,6 +29,7 @@ __all__ = [
     "PackPlan",
     "as_byte_tensor",
     "dtype_name",
+    "holds_its_values",
     "pack_bytes",
     "pack_into",
     "plan",
@@ -162,7 +163,7 @@ def pack_bytes(tensors: Sequence[torch.Tensor], layout: PackPlan) -> bytes:
         t = tensors[0]
         # numpy writes C order whatever the strides, at half the cost of the checks and
         # ctypes call below; what it refuses is not tried (torch's refusal costs 18 µs)
-        if t.dtype in _NUMPY_TORCH and t.is_cpu and not t.requires_grad and not t.is_conj():
+        if t.dtype in _NUMPY_TORCH and t.is_cpu and not t.requires_grad and holds_its_values(t):
             try:
                 return t.numpy().tobytes()
             except RuntimeError:
@@ -181,6 +182,15 @@ def pack_bytes(tensors: Sequence[torch.Tensor], layout: PackPlan) -> bytes:
             parts.append(ctypes.string_at(t.data_ptr(), meta.nbytes))
         at = meta.offset + meta.nbytes
     return b"".join(parts)
+
+
+def holds_its_values(t: torch.Tensor) -> bool:
+    """Whether the memory under ``t`` holds the values ``t`` reads as: not a lazily
+    conjugated or negated view (torch keeps those as a bit beside memory that holds
+    other values, and the bit does not travel). Only such a tensor's memory may be
+    sent as it lies — lent, born in transport memory, forwarded, shared in place;
+    any other is packed, which resolves it."""
+    return not (t.is_conj() or t.is_neg())
 
 
 def as_byte_tensor(buffer: torch.Tensor | memoryview | bytearray) -> torch.Tensor:

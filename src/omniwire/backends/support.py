@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from ..errors import BackendError, BadReferenceError
+from ..packing import holds_its_values
 from ..recvpool import RecvPool, size_class
 from ..wire import MAX_TENSORS, align_up
 from .base import BackendBase, Export
@@ -115,7 +116,18 @@ def storage_span(t: torch.Tensor) -> tuple[int, int]:
 
 
 def byte_view(t: torch.Tensor) -> torch.Tensor:
-    """A 1-D uint8 tensor over the bytes of contiguous ``t`` (the same memory)."""
+    """A 1-D uint8 tensor over the bytes of contiguous ``t`` (the same memory).
+
+    Raises:
+        ValueError: ``t`` is a lazily conjugated or negated view (its memory holds
+            other values: see :func:`omniwire.packing.holds_its_values`).
+    """
+    if not holds_its_values(t):
+        raise ValueError("a lazily conjugated or negated tensor: resolve it first")
+    flat = t.reshape(-1)
+    if flat.numel() and flat.stride(0) == 1:
+        return flat.view(torch.uint8)  # two calls where the general case takes seven
+    # (0 elements, or 1 with any stride: torch calls both contiguous)
     nbytes = t.numel() * t.element_size()
     base = torch.empty(0, dtype=torch.uint8, device=t.device)
     return base.set_(t.untyped_storage(), t.storage_offset() * t.element_size(), (nbytes,), (1,))
@@ -144,12 +156,12 @@ def lent_pieces(
 ) -> tuple[list[LentPiece], int] | None:
     """The caller's tensors as the pieces of the packed image they would be packed
     into (empty tensors left out) and the image's length; or None when one cannot be
-    read in place (not contiguous, or on a device kind not in ``devices``) or there
-    are no bytes."""
+    read in place (not contiguous, on a device kind not in ``devices``, or a lazily
+    conjugated or negated view) or there are no bytes."""
     pieces = []
     end = 0
     for t in tensors:
-        if t.device.type not in devices or not t.is_contiguous():
+        if t.device.type not in devices or not t.is_contiguous() or not holds_its_values(t):
             return None
         at = align_up(end)
         nbytes = t.numel() * t.element_size()

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 import anyio
 import torch
 
+from .. import packing
 from ..delivery import SendReceipt
 from ..errors import BufferReleasedError, OmniwireError
 from ._records import SharedExport
@@ -63,12 +64,14 @@ class TransportBuffer:
         return self._released
 
     def matches(self, tensor: torch.Tensor) -> bool:
-        """Whether ``tensor`` is this buffer's tensor, whole (not a view of part of it)."""
+        """Whether ``tensor`` is this buffer's tensor, whole (not a view of part of it,
+        nor a lazily conjugated or negated view: those are packed)."""
         return (
             tensor.data_ptr() == self.key
             and tensor.nbytes == self.tensor.nbytes
             and tensor.is_contiguous()
             and tensor.device == self.tensor.device
+            and packing.holds_its_values(tensor)
         )
 
     def shared_for(self, backend: str) -> SharedExport | None:

@@ -161,7 +161,12 @@ class Sender:
         if receiver is None or len(tensors) != 1:
             return None
         t = tensors[0]
-        if not t.is_cpu or t.nbytes == 0 or not t.is_contiguous():
+        if (
+            not t.is_cpu
+            or t.nbytes == 0
+            or not t.is_contiguous()
+            or not packing.holds_its_values(t)
+        ):
             return None
         found = receiver.lent_holding(t)
         if found is None:

@@ -39,7 +39,8 @@ def tensors(
     max_side: int = 5,
 ) -> torch.Tensor:
     """A CPU tensor of any wire dtype with random bytes (NaNs included), possibly
-    non-contiguous (transposed or sliced with a step), 0-dim or zero-size."""
+    non-contiguous (transposed or sliced with a step), 0-dim or zero-size, possibly a
+    lazily conjugated or negated view (its memory holds other values than it reads as)."""
     dtype = draw(st.sampled_from(dtypes))
     shape = draw(_shapes)
     numel = math.prod(shape)
@@ -65,7 +66,21 @@ def tensors(
         t = t.transpose(0, t.dim() - 1)
     elif how == "step" and t.dim() >= 1 and t.shape[0] >= 2:
         t = t[::2]
+    lazy = draw(st.sampled_from(["none", "conj", "neg"]))
+    if lazy == "conj" and dtype.is_complex:
+        t = t.conj()  # a conjugate bit over memory that holds the other values
+    elif lazy == "neg" and dtype in _NEGATABLE and _neg_view:
+        t = _neg_view(t)  # a negative bit, likewise
     return t
+
+
+#: torch's lazily negated view (what ``x.conj().imag`` makes), where it has one, and
+#: the dtypes torch can resolve one of (not the float8 and float4 ones).
+_neg_view = getattr(torch, "_neg_view", None)
+_NEGATABLE = frozenset(
+    {torch.float64, torch.float32, torch.float16, torch.bfloat16}
+    | {torch.complex32, torch.complex64, torch.complex128}
+)
 
 
 _scalars = st.one_of(

@@ -13,6 +13,7 @@ from typing import Any, ClassVar, Literal, TypeVar
 import anyio
 import torch
 
+from ... import packing
 from ...errors import BackendClosedError, BackendError
 from ..base import (
     Availability,
@@ -272,6 +273,8 @@ class CudaIpcBackend(ByteBackend):
             return None
         if any(self.api.gpu_index(t) != st.device for t in tensors):
             return None
+        if not all(packing.holds_its_values(t) for t in tensors):
+            return None  # the bit would not travel: packed, which resolves it
         api = self.api
         try:
             ref = blobs.plan_shares(

@@ -21,7 +21,7 @@ import msgspec
 import torch
 
 from ...errors import BackendError
-from ...packing import dtype_name, torch_dtype
+from ...packing import dtype_name, holds_its_values, torch_dtype
 from ...wire import DTYPE_ITEMSIZE, MAX_NDIM, MAX_TENSORS, align_up
 from ..base import PeerInfo
 from ..support import decode_blob
@@ -233,7 +233,13 @@ def plan_shares(
     """Share each distinct storage of ``tensors`` once and describe every tensor as a
     view of its share. If a share fails, those already made are released and the
     error propagates (the caller then packs into a slot instead).
+
+    Raises:
+        BackendError: a tensor is a lazily conjugated or negated view (its storage
+            holds other values; the bit is not described: pack it).
     """
+    if not all(holds_its_values(t) for t in tensors):
+        raise BackendError("cuda_ipc: a lazily conjugated or negated tensor cannot be shared")
     shares: list[Share] = []
     index: dict[tuple[str, int, int], int] = {}
     refs: list[TensorRef] = []
