@@ -125,7 +125,8 @@ def test_lent_conjugate_and_negated_views_arrive_as_their_values(
     remote: tuple[PeerProcess, str], engine: str, how: dict[str, Any]
 ) -> None:
     """A lazily conjugated (or negated) tensor lent to an engine: its memory holds
-    other values than it reads as, so it is packed (resolved), not read in place."""
+    other values than it reads as, so it is packed (resolved), not read in place; a
+    zero tensor (torch's lazy zeros) has no memory to read at all."""
     peer, tag = remote
     kw: dict[str, Any] = {}
     if "policy" in how:
@@ -144,6 +145,7 @@ def test_lent_conjugate_and_negated_views_arrive_as_their_values(
     views = {
         "conj": z.conj(),  # contiguous, its memory holds the unconjugated values
         "neg": torch._neg_view(torch.arange(1 << 14, dtype=torch.float32)),
+        "zero": torch._efficientzerotensor(1 << 14),  # no memory at all (data_ptr 0)
     }
     assert all(v.is_contiguous() for v in views.values())
     with start_blocking_portal() as portal, portal.wrap_async_context_manager(ep):
@@ -151,7 +153,7 @@ def test_lent_conjugate_and_negated_views_arrive_as_their_values(
         for key, view in views.items():
             d = portal.call(_echo_lent, ep, peer.name, {key: view}, f"lent-{engine}-{key}")
             assert d.backend == engine
-            assert torch.equal(d.payload[key], view.resolve_conj().resolve_neg()), key
+            assert torch.equal(d.payload[key], view.clone().resolve_conj().resolve_neg()), key
 
 
 async def _echo_lent(ep: Endpoint, peer: str, value: Any, rid: str) -> Any:

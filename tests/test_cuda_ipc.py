@@ -231,11 +231,11 @@ class TestWireBlobs:
     @given(st.lists(tensors(), min_size=1, max_size=6))
     def test_any_tensor_rebuilds_bit_exactly(self, ts: list[torch.Tensor]) -> None:
         """Any tensor whose memory holds its values (``export_tensors`` packs a lazily
-        conjugated or negated one; :func:`plan_shares` refuses it)."""
+        conjugated or negated one, or lazy zeros; :func:`plan_shares` refuses it)."""
         if not all(packing.holds_its_values(t) for t in ts):
             with pytest.raises(BackendError, match="conjugated or negated"):
                 _plan(ts)
-            ts = [t.resolve_conj().resolve_neg() for t in ts]
+            ts = [packing.resolved(t) for t in ts]
         ref, storages = _plan(ts)
         decoded = decode_ref(ci.encode(ref), _peer(), packed_length(ts))
         assert isinstance(decoded, ci.TensorsRef)

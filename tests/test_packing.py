@@ -244,14 +244,16 @@ def test_unpack_inline_views_a_private_copy_of_the_chunk() -> None:
         lambda: torch.ones(3, requires_grad=True),
         lambda: torch.tensor(7, dtype=torch.int64),
         lambda: torch.tensor([True, False, True]),
+        lambda: torch._efficientzerotensor(5),
     ],
-    ids=["conj", "neg", "transposed", "strided", "bf16-grad", "f32-grad", "0-dim", "bool"],
+    ids=["conj", "neg", "transposed", "strided", "bf16-grad", "f32-grad", "0-dim", "bool", "zero"],
 )
 def test_a_single_tensor_packs_to_the_values_it_reads_as(make: Any) -> None:
     """One tensor (the path that asks numpy for its bytes first) packs to the bytes of
     its values in C order, whichever way numpy refuses it."""
     t = make()
-    want = t.detach().resolve_conj().resolve_neg().contiguous()
+    want = t.detach().clone().resolve_conj().resolve_neg().contiguous()  # (clone: a zero
+    # tensor has no memory at all)
     layout = packing.plan([t])
     data = packing.pack_bytes([t], layout)
     assert data == ctypes.string_at(want.data_ptr(), want.numel() * want.element_size())
@@ -270,6 +272,7 @@ def test_pack_bytes_writes_the_values_of_lazy_views_and_odd_layouts() -> None:
         torch.arange(6, dtype=torch.int32).view(2, 3).t(),
         torch.ones(3, dtype=torch.bfloat16, requires_grad=True),
         torch.tensor(7, dtype=torch.int64),
+        torch._efficientzerotensor(3),  # no memory at all: its data_ptr is 0
     ]
     layout = packing.plan(tensors)
     got = packing.unpack_inline(
@@ -277,7 +280,7 @@ def test_pack_bytes_writes_the_values_of_lazy_views_and_odd_layouts() -> None:
     )
     for g, t in zip(got, tensors, strict=True):
         assert not g.is_conj() and not g.is_neg()
-        assert torch.equal(g, t.detach().resolve_conj().resolve_neg())
+        assert torch.equal(g, t.detach().clone().resolve_conj().resolve_neg())
     # the same image packed in two ranges that cut the first two tensors
     image = torch.zeros(layout.nbytes, dtype=torch.uint8)
     assert layout.metas[1].offset < 70 < layout.metas[1].offset + layout.metas[1].nbytes

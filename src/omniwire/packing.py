@@ -33,6 +33,7 @@ __all__ = [
     "pack_bytes",
     "pack_into",
     "plan",
+    "resolved",
     "split_points",
     "torch_dtype",
     "unpack",
@@ -174,10 +175,9 @@ def pack_bytes(tensors: Sequence[torch.Tensor], layout: PackPlan) -> bytes:
         if meta.offset > at:
             parts.append(bytes(meta.offset - at))
         if meta.nbytes:
+            t = resolved(t)  # lazy views and zeros: the memory holds other values, or none
             if not (t.is_cpu and t.is_contiguous()):
                 t = t.to("cpu").contiguous()
-            if t.is_conj() or t.is_neg():  # lazy views: the memory holds other values
-                t = t.resolve_conj().resolve_neg()
             # C order is the packed layout: the bytes as they lie
             parts.append(ctypes.string_at(t.data_ptr(), meta.nbytes))
         at = meta.offset + meta.nbytes
@@ -187,10 +187,25 @@ def pack_bytes(tensors: Sequence[torch.Tensor], layout: PackPlan) -> bytes:
 def holds_its_values(t: torch.Tensor) -> bool:
     """Whether the memory under ``t`` holds the values ``t`` reads as: not a lazily
     conjugated or negated view (torch keeps those as a bit beside memory that holds
-    other values, and the bit does not travel). Only such a tensor's memory may be
-    sent as it lies — lent, born in transport memory, forwarded, shared in place;
-    any other is packed, which resolves it."""
-    return not (t.is_conj() or t.is_neg())
+    other values, and the bit does not travel), nor a zero tensor (lazy zeros with no
+    memory at all: its ``data_ptr()`` is 0). Only such a tensor's memory may be sent
+    as it lies — lent, born in transport memory, forwarded, shared in place; any
+    other is packed, which resolves it (:func:`resolved`)."""
+    return not (t.is_conj() or t.is_neg() or _is_zero(t))
+
+
+def resolved(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself if its memory holds its values, else a new tensor that holds them."""
+    if holds_its_values(t):
+        return t
+    if _is_zero(t):
+        t = t.clone()  # real zeros
+    return t.resolve_conj().resolve_neg()
+
+
+def _is_zero(t: torch.Tensor) -> bool:
+    is_zero = getattr(t, "_is_zerotensor", None)  # torch's lazy zeros, where it has them
+    return bool(is_zero()) if is_zero is not None else False
 
 
 def as_byte_tensor(buffer: torch.Tensor | memoryview | bytearray) -> torch.Tensor:
@@ -221,8 +236,7 @@ def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
     keeps that stride, which ``view(uint8)`` refuses, so such a tensor is copied. A
     lazily conjugated or negated view is resolved (its memory holds other values).
     """
-    if t.is_conj() or t.is_neg():
-        t = t.resolve_conj().resolve_neg()
+    t = resolved(t)
     flat = t.reshape(-1)
     if not flat.numel():
         return torch.empty(0, dtype=torch.uint8, device=t.device)

@@ -119,11 +119,15 @@ def byte_view(t: torch.Tensor) -> torch.Tensor:
     """A 1-D uint8 tensor over the bytes of contiguous ``t`` (the same memory).
 
     Raises:
-        ValueError: ``t`` is a lazily conjugated or negated view (its memory holds
-            other values: see :func:`omniwire.packing.holds_its_values`).
+        ValueError: ``t`` is a lazily conjugated or negated view, or lazy zeros (its
+            memory holds other values, or none: see
+            :func:`omniwire.packing.holds_its_values`).
     """
     if not holds_its_values(t):
-        raise ValueError("a lazily conjugated or negated tensor: resolve it first")
+        raise ValueError(
+            "a lazily conjugated or negated tensor, or lazy zeros: resolve it first "
+            "(omniwire.packing.resolved)"
+        )
     flat = t.reshape(-1)
     if flat.numel() and flat.stride(0) == 1:
         return flat.view(torch.uint8)  # two calls where the general case takes seven
@@ -156,8 +160,8 @@ def lent_pieces(
 ) -> tuple[list[LentPiece], int] | None:
     """The caller's tensors as the pieces of the packed image they would be packed
     into (empty tensors left out) and the image's length; or None when one cannot be
-    read in place (not contiguous, on a device kind not in ``devices``, or a lazily
-    conjugated or negated view) or there are no bytes."""
+    read in place (not contiguous, on a device kind not in ``devices``, a lazily
+    conjugated or negated view, or lazy zeros) or there are no bytes."""
     pieces = []
     end = 0
     for t in tensors:

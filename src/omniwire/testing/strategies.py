@@ -40,7 +40,8 @@ def tensors(
 ) -> torch.Tensor:
     """A CPU tensor of any wire dtype with random bytes (NaNs included), possibly
     non-contiguous (transposed or sliced with a step), 0-dim or zero-size, possibly a
-    lazily conjugated or negated view (its memory holds other values than it reads as)."""
+    lazily conjugated or negated view (its memory holds other values than it reads as)
+    or torch's lazy zeros (no memory at all)."""
     dtype = draw(st.sampled_from(dtypes))
     shape = draw(_shapes)
     numel = math.prod(shape)
@@ -66,14 +67,18 @@ def tensors(
         t = t.transpose(0, t.dim() - 1)
     elif how == "step" and t.dim() >= 1 and t.shape[0] >= 2:
         t = t[::2]
-    lazy = draw(st.sampled_from(["none", "conj", "neg"]))
+    lazy = draw(st.sampled_from(["none", "conj", "neg", "zero"]))
     if lazy == "conj" and dtype.is_complex:
         t = t.conj()  # a conjugate bit over memory that holds the other values
     elif lazy == "neg" and dtype in _NEGATABLE and _neg_view:
         t = _neg_view(t)  # a negative bit, likewise
+    elif lazy == "zero" and how == "plain" and _zeros is not None:
+        t = _zeros(shape, dtype=dtype)  # torch's lazy zeros: no memory at all
     return t
 
 
+#: torch's lazy zeros (a tensor with no memory, as autograd makes), where it has them.
+_zeros = getattr(torch, "_efficientzerotensor", None)
 #: torch's lazily negated view (what ``x.conj().imag`` makes), where it has one, and
 #: the dtypes torch can resolve one of (not the float8 and float4 ones).
 _neg_view = getattr(torch, "_neg_view", None)

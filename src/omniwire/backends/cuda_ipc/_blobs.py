@@ -236,10 +236,12 @@ def plan_shares(
 
     Raises:
         BackendError: a tensor is a lazily conjugated or negated view (its storage
-            holds other values; the bit is not described: pack it).
+            holds other values; the bit is not described: pack it), or lazy zeros.
     """
     if not all(holds_its_values(t) for t in tensors):
-        raise BackendError("cuda_ipc: a lazily conjugated or negated tensor cannot be shared")
+        raise BackendError(
+            "cuda_ipc: a lazily conjugated or negated tensor (or lazy zeros) cannot be shared"
+        )
     shares: list[Share] = []
     index: dict[tuple[str, int, int], int] = {}
     refs: list[TensorRef] = []
