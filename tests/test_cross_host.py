@@ -60,20 +60,7 @@ def test_cross_host_routes_and_round_trips(
     remote: tuple[PeerProcess, str], name: str, expected: str, how: dict[str, Any]
 ) -> None:
     peer, tag = remote
-    me = f"src-{name}-{tag}"
-    kw: dict[str, Any] = {}
-    if "policy" in how:
-        kw["policy"] = how["policy"]
-    if "routes" in how:
-        kw["routes"] = {peer.name: how["routes"]}
-    ep = Endpoint(
-        me,
-        address="tcp://127.0.0.1:0",
-        peers={peer.name: peer.address},
-        backends=["local", "shm", *ENGINES],
-        ack_timeout=60,
-        **kw,
-    )
+    ep = _source(f"src-{name}-{tag}", peer, how)
     with start_blocking_portal() as portal, portal.wrap_async_context_manager(ep):
         portal.call(ep.wait_peer, peer.name, 60)
         route = portal.call(lambda: _route(ep, peer.name))
@@ -99,6 +86,24 @@ def test_cross_host_routes_and_round_trips(
             assert_payload_equal(sent, d.payload)
 
         round_trip()
+
+
+def _source(name: str, peer: PeerProcess, how: dict[str, Any]) -> Endpoint:
+    """The sending endpoint, routed to ``peer`` by ``how`` ({"policy": ...} or
+    {"routes": BACKEND}; {}: the default policy)."""
+    kw: dict[str, Any] = {}
+    if "policy" in how:
+        kw["policy"] = how["policy"]
+    if "routes" in how:
+        kw["routes"] = {peer.name: how["routes"]}
+    return Endpoint(
+        name,
+        address="tcp://127.0.0.1:0",
+        peers={peer.name: peer.address},
+        backends=["local", "shm", *ENGINES],
+        ack_timeout=60,
+        **kw,
+    )
 
 
 async def _route(ep: Endpoint, peer: str) -> Any:
@@ -128,19 +133,7 @@ def test_lent_conjugate_and_negated_views_arrive_as_their_values(
     other values than it reads as, so it is packed (resolved), not read in place; a
     zero tensor (torch's lazy zeros) has no memory to read at all."""
     peer, tag = remote
-    kw: dict[str, Any] = {}
-    if "policy" in how:
-        kw["policy"] = how["policy"]
-    if "routes" in how:
-        kw["routes"] = {peer.name: how["routes"]}
-    ep = Endpoint(
-        f"src-{engine}-{tag}",
-        address="tcp://127.0.0.1:0",
-        peers={peer.name: peer.address},
-        backends=["local", "shm", *ENGINES],
-        ack_timeout=60,
-        **kw,
-    )
+    ep = _source(f"src-{engine}-{tag}", peer, how)
     z = torch.complex(torch.arange(1 << 13, dtype=torch.float32), torch.ones(1 << 13))
     views = {
         "conj": z.conj(),  # contiguous, its memory holds the unconjugated values
