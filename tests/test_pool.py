@@ -361,6 +361,92 @@ async def test_a_completion_wait_outlives_its_cancellation_like_a_worker_thread(
         await anyio.to_thread.run_sync(completions.stop)
 
 
+class _Timed:
+    """A transfer that ends ``seconds`` after it starts; counts the checks of it."""
+
+    def __init__(self, seconds: float) -> None:
+        self.ends = time.monotonic() + seconds
+        self.checks = 0
+        self.seen: float | None = None
+
+    def done(self) -> bool:
+        self.checks += 1
+        now = time.monotonic()
+        if now >= self.ends and self.seen is None:
+            self.seen = now
+        return now >= self.ends
+
+
+@pytest.mark.asyncio
+async def test_completions_check_a_transfer_like_the_last_ones_only_near_its_end() -> None:
+    """Each check costs the cores the engine needs (a NIXL check runs UCX's progress):
+    once transfers of a size are known to take ~40 ms, the next one is not checked
+    every 10-500 µs from its start (about 140 checks) but from close to its
+    expected end (checked every 500 µs at most), and its end is still seen promptly."""
+    completions = Completions("test-completions-d")
+    try:
+        for _ in range(3):  # teach it how long 4 MiB take
+            t = _Timed(0.04)
+            await completions.wait(t.done, timeout=10, what="learn", nbytes=4 << 20)
+        t = _Timed(0.04)
+        await completions.wait(t.done, timeout=10, what="x", nbytes=4 << 20)
+        assert t.checks <= 30, t.checks
+        assert t.seen is not None and t.seen - t.ends < 0.01
+        # a bigger one after them: expected from the bytes per second seen (before:
+        # about 220 checks)
+        t = _Timed(0.08)
+        await completions.wait(t.done, timeout=10, what="y", nbytes=8 << 20)
+        assert t.checks <= 55, t.checks
+        # a transfer faster than expected still ends within the check pause cap
+        t = _Timed(0.002)
+        await completions.wait(t.done, timeout=10, what="z", nbytes=8 << 20)
+        assert time.monotonic() - t.ends < 0.07
+        # ... and when they keep being faster, the expectation falls to them
+        late = []
+        for _ in range(8):
+            t = _Timed(0.002)
+            await completions.wait(t.done, timeout=10, what="z", nbytes=8 << 20)
+            late.append(time.monotonic() - t.ends)
+        assert late[-1] < 0.005, late
+    finally:
+        await anyio.to_thread.run_sync(completions.stop)
+
+
+@pytest.mark.asyncio
+async def test_a_long_expected_transfer_does_not_delay_another_or_its_abandonment() -> None:
+    """While one transfer is not checked (its end is far), a new one is checked at
+    once, and the first one's ``cancelled()`` is still looked at."""
+    completions = Completions("test-completions-e")
+    try:
+        for _ in range(2):
+            t = _Timed(0.3)
+            await completions.wait(t.done, timeout=10, what="learn", nbytes=64 << 20)
+        gone = threading.Event()
+        long = _Timed(5.0)
+        async with anyio.create_task_group() as tg:
+
+            async def wait_long() -> None:
+                with pytest.raises(TransferAbandonedError):
+                    await completions.wait(
+                        long.done, timeout=10, what="long", nbytes=64 << 20, cancelled=gone.is_set
+                    )
+
+            tg.start_soon(wait_long)
+            await anyio.sleep(0.01)
+            short = _Timed(0.003)
+            started = time.monotonic()
+            await completions.wait(short.done, timeout=10, what="short", nbytes=1024)
+            assert time.monotonic() - started < 0.1
+            gone.set()
+            cancelled_at = time.monotonic()
+            with anyio.fail_after(2):
+                while len(completions):
+                    await anyio.sleep(0.002)
+            assert time.monotonic() - cancelled_at < 0.1
+    finally:
+        await anyio.to_thread.run_sync(completions.stop)
+
+
 # -- RegisteredRecvPool: receive buffers registered once per block ------------------------
 
 

@@ -194,7 +194,7 @@ class _Import(Import):
                 batch = await mc._threads.run(start)
                 try:
                     await mc._completions.wait(
-                        batch.done, timeout=timeout, what=batch.what, cancelled=lost
+                        batch.done, timeout=timeout, what=batch.what, cancelled=lost, nbytes=hi - lo
                     )
                 except BackendError as exc:
                     ended = not isinstance(exc, (TransferTimeoutError, TransferAbandonedError))

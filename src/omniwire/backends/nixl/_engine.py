@@ -414,7 +414,13 @@ async def read_async(
     op = _Read(agent, reads, local, remote_agent, remote, what)
     done = False
     try:
-        await completions.wait(op.finished, timeout=timeout, what=op.what, cancelled=cancelled)
+        await completions.wait(
+            op.finished,
+            timeout=timeout,
+            what=op.what,
+            cancelled=cancelled,
+            nbytes=sum(n for _, _, n in reads),
+        )
         op.check()
         done = True
     finally:
