@@ -256,9 +256,10 @@ class _Dumper:
             raise TypeError(
                 f"{_format_path(path, self.root)}: {tensor.layout} tensors are not supported; send dense ones"
             )
-        if tensor.is_quantized or tensor.is_meta:
+        if tensor.is_quantized or tensor.is_meta or tensor.is_nested:
             raise TypeError(
-                f"{_format_path(path, self.root)}: quantized and meta tensors are not supported"
+                f"{_format_path(path, self.root)}: quantized, meta and nested tensors are not "
+                "supported (send a nested tensor's components: .unbind())"
             )
         return self._tensor_index(id(tensor), tensor, path)
 
@@ -351,7 +352,7 @@ def scalars_header(value: dict[Any, Any]) -> bytes | None:
 
 def _plain(t: torch.Tensor) -> bool:
     """A tensor the wire carries as it is (``t.device.type`` would cost 6× as much)."""
-    return t.layout is torch.strided and not t.is_quantized and not t.is_meta
+    return t.layout is torch.strided and not (t.is_quantized or t.is_meta or t.is_nested)
 
 
 #: The header of a payload that is one tensor (the general path writes the same bytes).
