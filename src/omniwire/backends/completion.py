@@ -71,8 +71,8 @@ class Pace:
     the last ones took (:meth:`_Watch.took_at_least`):
     ``n`` times the fewest seconds per byte any of them took (bandwidth: a lower bound
     for any size), or, when longer, the shortest duration of those of a similar size,
-    ``[n/2, n]`` bytes (fixed cost, which dominates small transfers). One writer
-    (the completion thread); readers see a consistent enough snapshot."""
+    ``[n/2, n]`` bytes (fixed cost, which dominates small transfers). Not
+    thread-safe: :class:`Completions` uses it under its lock."""
 
     def __init__(self, window: int = 64) -> None:
         self._recent: collections.deque[tuple[int, float]] = collections.deque(maxlen=window)
@@ -268,11 +268,13 @@ class Completions:
             Whatever ``done()`` raises (the engine's failure).
         """
         loop = asyncio.get_running_loop()
-        expected = self._pace.expect(nbytes)
-        watch = _Watch(done, timeout, what, cancelled, loop, loop.create_future(), nbytes, expected)
         with self._cond:
             if self._stopped:
                 raise BackendClosedError(f"{self.name} is stopped")
+            expected = self._pace.expect(nbytes)
+            watch = _Watch(
+                done, timeout, what, cancelled, loop, loop.create_future(), nbytes, expected
+            )
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
                 self._thread.start()
@@ -299,14 +301,14 @@ class Completions:
                 if outcome is False:
                     w.due = w.next_due(time.monotonic())
                     continue
-                ended.append(w)
-                if outcome is True:
-                    self._pace.learn(w.nbytes, w.took_at_least())
+                ended.append((w, outcome is True))
                 with contextlib.suppress(RuntimeError):  # its loop is closed
                     w.loop.call_soon_threadsafe(_settle, w, outcome)
             with self._cond:
-                for w in ended:
+                for w, succeeded in ended:
                     self._watches.remove(w)
+                    if succeeded:
+                        self._pace.learn(w.nbytes, w.took_at_least())
                 if self._watches:
                     # a new wait notifies: it is looked at at once, whatever is due
                     delay = min(w.due for w in self._watches) - time.monotonic()
