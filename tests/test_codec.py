@@ -348,3 +348,32 @@ def test_a_header_for_one_tensor_needs_exactly_one() -> None:
         codec.loads(header, [])
     t = torch.ones(2)
     assert codec.loads(header, [t]) is t
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        {"t": 2**63 + 5, "last": True, "group": "g", "streams": 20, "x": 1.5, "n": None},
+        {"t": -(2**63), "ok": False, "zero": 0, "f": 0.0},
+        {"list": [1, 2]},
+        {"blob": b"\x00\x01"},
+        {"inner": {"k": 1}},
+        {"tuple": (1, "a")},
+        {"np": np.int32(1).item(), "s": "é" * 40},
+    ],
+    ids=["scalars", "edges", "list", "bytes", "map", "tuple", "unicode"],
+)
+def test_tensorless_headers_decode_alike_on_the_scalar_shortcut_and_the_general_path(
+    value: dict[str, Any],
+) -> None:
+    """Metadata of str keys and scalars is decoded by one typed C call; every other
+    small map falls back to the general path: both give what was sent, with its types
+    (True stays bool, 0 stays int, 0.0 float, a tuple a tuple)."""
+    header = codec.dumps(value).header
+    got = codec.loads(header, [])
+    assert got == value
+    assert [type(v) for v in got.values()] == [type(v) for v in value.values()]
+    with pytest.raises(WireFormatError):
+        codec.loads(b"", [])
+    with pytest.raises(WireFormatError):
+        codec.loads(header[:-1], [])  # truncated: no shortcut answers for it
