@@ -63,13 +63,13 @@ codec.register_type(Span, name="omniwire.vectors.Span")
 
 
 def _shm_hello(prefix: str = SHM_PREFIX) -> bytes:
-    from omniwire.backends import shm
+    from omniwire.backends.shm import _blobs as shm
 
     return msgspec.msgpack.encode(shm._HelloInfo(prefix=prefix))
 
 
 def _shm_ref(segment: str, offset: int, size: int, dedicated: bool) -> bytes:
-    from omniwire.backends import shm
+    from omniwire.backends.shm import _blobs as shm
 
     return msgspec.msgpack.encode(
         shm._Ref(segment=segment, offset=offset, size=size, dedicated=dedicated)
@@ -323,11 +323,11 @@ def header_value() -> dict[object, object]:
 
 def blobs() -> dict[str, msgspec.Struct]:
     """Each built-in backend's Hello info and reference blobs, by file stem."""
-    from omniwire.backends import shm
     from omniwire.backends.cuda_ipc import _blobs as cuda_ipc
     from omniwire.backends.mooncake import _blobs as mooncake
     from omniwire.backends.nccl import _blobs as nccl
     from omniwire.backends.nixl import _blobs as nixl
+    from omniwire.backends.shm import _blobs as shm
 
     share = cuda_ipc.Share(
         device="GPU-5f2c1a9e-0000-4000-8000-000000000001",
