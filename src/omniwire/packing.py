@@ -13,12 +13,13 @@ through a non-contiguous tensor.
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any, Final
 
+import msgspec
 import numpy as np
 import torch
 
@@ -93,9 +94,10 @@ def torch_dtype(name: str) -> torch.dtype:
         ) from None
 
 
-@dataclass(frozen=True, slots=True)
-class PackPlan:
-    """Where each tensor goes in the packed buffer, and the buffer's length."""
+class PackPlan(msgspec.Struct, frozen=True, gc=False):
+    """Where each tensor goes in the packed buffer, and the buffer's length (a
+    msgspec struct: made for every payload shape a stream has not sent lately, it
+    costs a tenth of a frozen dataclass)."""
 
     metas: tuple[TensorMeta, ...]
     nbytes: int
@@ -108,8 +110,10 @@ _CPU: Final = frozenset({"cpu"})
 _NUMPY_TORCH: Final = frozenset(getattr(torch, name) for name in _NUMPY)
 
 #: Plans of recent payload shapes: a pipeline sends the same shapes over and over.
-_PLANS: dict[tuple[object, ...], PackPlan] = {}
-_PLANS_MAX = 512
+#: A full cache drops its oldest plan (an OrderedDict: deleting a plain dict's first
+#: key leaves a hole its next iteration skips, which made a miss cost twice as much).
+_PLANS: collections.OrderedDict[tuple[object, ...], PackPlan] = collections.OrderedDict()
+_PLANS_MAX = 4096
 
 
 def plan(tensors: Sequence[torch.Tensor], paths: Sequence[str] = ()) -> PackPlan:
@@ -124,8 +128,11 @@ def plan(tensors: Sequence[torch.Tensor], paths: Sequence[str] = ()) -> PackPlan
     if len(tensors) == 1:  # the common case, without a generator
         t = tensors[0]
         key: tuple[object, ...] = (t.dtype, t.shape, t.device, *paths)
-    else:
-        key = (*((t.dtype, t.shape, t.device) for t in tensors), *paths)
+        layout = _PLANS.get(key)
+        if layout is None:
+            layout = _remember(key, _plan_one(t, paths[0] if paths else ""))
+        return layout
+    key = (*((t.dtype, t.shape, t.device) for t in tensors), *paths)
     layout = _PLANS.get(key)
     if layout is not None:
         return layout
@@ -150,9 +157,27 @@ def plan(tensors: Sequence[torch.Tensor], paths: Sequence[str] = ()) -> PackPlan
         devices = _CPU if tensors else frozenset()
     else:
         devices = frozenset(t.device.type for t in tensors)
-    layout = PackPlan(tuple(metas), end, devices)
+    return _remember(key, PackPlan(tuple(metas), end, devices))
+
+
+def _plan_one(t: torch.Tensor, path: str) -> PackPlan:
+    """:func:`plan` of one tensor (a stream of varying sizes misses the cache often)."""
+    nbytes = t.numel() * t.element_size()
+    cpu = t.is_cpu
+    meta = TensorMeta(
+        dtype=dtype_name(t.dtype),
+        shape=tuple(t.shape),
+        offset=0,
+        nbytes=nbytes,
+        device="cpu" if cpu else str(t.device),
+        path=path,
+    )
+    return PackPlan((meta,), nbytes, _CPU if cpu else frozenset((t.device.type,)))
+
+
+def _remember(key: tuple[object, ...], layout: PackPlan) -> PackPlan:
     if len(_PLANS) >= _PLANS_MAX:
-        _PLANS.clear()
+        _PLANS.popitem(last=False)
     _PLANS[key] = layout
     return layout
 
