@@ -13,6 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from omniwire.backends.completion import Pace
 from omniwire.backends.pool import Lease, SlotPool
 from omniwire.backends.support import (
     Completions,
@@ -410,6 +411,26 @@ async def test_completions_check_a_transfer_like_the_last_ones_only_near_its_end
         assert late[-1] < 0.005, late
     finally:
         await anyio.to_thread.run_sync(completions.stop)
+
+
+def test_a_transfer_that_stalled_does_not_delay_the_first_check_of_the_next() -> None:
+    """Nothing is expected from fewer than three transfers, so one that took seconds
+    (a link down, then up) does not make the next wait seconds for its first check;
+    small transfers are expected to take what the last ones of their size took, up to
+    a fixed-cost cap; large ones what the best bandwidth seen allows."""
+    pace = Pace()
+    assert pace.expect(1024) == 0.0
+    pace.learn(1024, 3.0)  # stalled
+    pace.learn(1024, 0.002)
+    assert pace.expect(1024) == 0.0
+    pace.learn(1024, 0.002)
+    assert pace.expect(1024) == pytest.approx(0.002)  # the stall is not the least
+    slow_small = Pace()
+    for _ in range(3):
+        slow_small.learn(64 << 20, 0.064)  # 1 GB/s
+        slow_small.learn(1024, 1.0)  # small ones that stalled: capped
+    assert slow_small.expect(1024) == Pace.FIXED_MAX_S
+    assert slow_small.expect(128 << 20) == pytest.approx(0.128)
 
 
 @pytest.mark.asyncio

@@ -68,11 +68,16 @@ SKIP_MAX_S = 0.02
 
 class Pace:
     """How long a transfer of ``n`` bytes takes at least, from lower bounds of how long
-    the last ones took (:meth:`_Watch.took_at_least`):
-    ``n`` times the fewest seconds per byte any of them took (bandwidth: a lower bound
-    for any size), or, when longer, the shortest duration of those of a similar size,
-    ``[n/2, n]`` bytes (fixed cost, which dominates small transfers). Not
+    the last ones took (:meth:`_Watch.took_at_least`; nothing is expected before
+    ``SIMILAR_MIN`` of them): ``n`` times the fewest seconds per byte any of them took (bandwidth: a lower bound for any size), or, when
+    longer, the shortest duration of at least ``SIMILAR_MIN`` of a similar size,
+    ``[n/2, n]`` bytes, up to ``FIXED_MAX_S`` (fixed cost, which dominates small
+    transfers; capped, so that a transfer that stalled, through a link down and up,
+    cannot make the next ones of its size wait for their first check). Not
     thread-safe: :class:`Completions` uses it under its lock."""
+
+    SIMILAR_MIN = 3
+    FIXED_MAX_S = 0.005
 
     def __init__(self, window: int = 64) -> None:
         self._recent: collections.deque[tuple[int, float]] = collections.deque(maxlen=window)
@@ -85,10 +90,13 @@ class Pace:
 
     def expect(self, nbytes: int) -> float:
         """Seconds a transfer of ``nbytes`` is expected to take at least (0: unknown)."""
-        if nbytes <= 0 or not self._per_byte:
+        if nbytes <= 0 or len(self._per_byte) < self.SIMILAR_MIN:
             return 0.0
-        similar = [s for n, s in list(self._recent) if nbytes // 2 <= n <= nbytes]
-        return max(nbytes * min(self._per_byte), min(similar, default=0.0))
+        bandwidth = nbytes * min(self._per_byte)
+        similar = [s for n, s in self._recent if nbytes // 2 <= n <= nbytes]
+        if len(similar) < self.SIMILAR_MIN:
+            return bandwidth
+        return max(bandwidth, min(min(similar), self.FIXED_MAX_S))
 
 
 def _pause(elapsed: float) -> float:
@@ -301,14 +309,14 @@ class Completions:
                 if outcome is False:
                     w.due = w.next_due(time.monotonic())
                     continue
-                ended.append((w, outcome is True))
-                with contextlib.suppress(RuntimeError):  # its loop is closed
-                    w.loop.call_soon_threadsafe(_settle, w, outcome)
+                ended.append((w, outcome))
             with self._cond:
-                for w, succeeded in ended:
-                    self._watches.remove(w)
-                    if succeeded:
+                for w, outcome in ended:
+                    self._watches.remove(w)  # before its waiter wakes: len() is current
+                    if outcome is True:
                         self._pace.learn(w.nbytes, w.took_at_least())
+                    with contextlib.suppress(RuntimeError):  # its loop is closed
+                        w.loop.call_soon_threadsafe(_settle, w, outcome)
                 if self._watches:
                     # a new wait notifies: it is looked at at once, whatever is due
                     delay = min(w.due for w in self._watches) - time.monotonic()
