@@ -48,9 +48,10 @@ typecheck: setup
 
 # In `make test` (and so in CI) every engine that can run on a CPU must load:
 # OMNIWIRE_REQUIRE_ENGINES turns "skipped: engine missing" into a failure.
+# --durations: the slowest tests in every CI log (the suite has a 15-minute budget).
 test: lint typecheck package
 	OMNIWIRE_REQUIRE_ENGINES=1 HYPOTHESIS_PROFILE=ci OMP_NUM_THREADS=1 \
-		$(BIN)/python -m pytest
+		$(BIN)/python -m pytest --durations=25
 
 # The package as users install it: build the sdist and the wheel, check them, install
 # the wheel (not editable) with its extras into a fresh venv, and run the demo and a
