@@ -69,30 +69,30 @@ SKIP_MAX_S = 0.02
 class Pace:
     """How long a transfer of ``n`` bytes takes at least, from lower bounds of how long
     the last ones took (:meth:`_Watch.took_at_least`; nothing is expected before
-    ``SIMILAR_MIN`` of them): ``n`` times the fewest seconds per byte any of them took (bandwidth: a lower bound for any size), or, when
-    longer, the shortest duration of at least ``SIMILAR_MIN`` of a similar size,
-    ``[n/2, n]`` bytes, up to ``FIXED_MAX_S`` (fixed cost, which dominates small
-    transfers; capped, so that a transfer that stalled, through a link down and up,
-    cannot make the next ones of its size wait for their first check). Not
-    thread-safe: :class:`Completions` uses it under its lock."""
+    ``SIMILAR_MIN`` of them): ``n`` times the fewest seconds per byte any of them
+    took (bandwidth: a lower bound for any size), or, when longer, the shortest
+    duration of at least ``SIMILAR_MIN`` of a similar size, ``[n/2, n]`` bytes, up to
+    ``FIXED_MAX_S`` (fixed cost, which dominates small transfers; capped, so that a
+    transfer that stalled, through a link down and up, cannot make the next ones of
+    its size wait for their first check). Not thread-safe: :class:`Completions` uses
+    it under its lock."""
 
     SIMILAR_MIN = 3
     FIXED_MAX_S = 0.005
 
     def __init__(self, window: int = 64) -> None:
+        #: ``(bytes, seconds)`` of the last transfers that ended
         self._recent: collections.deque[tuple[int, float]] = collections.deque(maxlen=window)
-        self._per_byte: collections.deque[float] = collections.deque(maxlen=window)
 
     def learn(self, nbytes: int, seconds: float) -> None:
         if nbytes > 0 and seconds > 0:
             self._recent.append((nbytes, seconds))
-            self._per_byte.append(seconds / nbytes)
 
     def expect(self, nbytes: int) -> float:
         """Seconds a transfer of ``nbytes`` is expected to take at least (0: unknown)."""
-        if nbytes <= 0 or len(self._per_byte) < self.SIMILAR_MIN:
+        if nbytes <= 0 or len(self._recent) < self.SIMILAR_MIN:
             return 0.0
-        bandwidth = nbytes * min(self._per_byte)
+        bandwidth = nbytes * min(s / n for n, s in self._recent)
         similar = [s for n, s in self._recent if nbytes // 2 <= n <= nbytes]
         if len(similar) < self.SIMILAR_MIN:
             return bandwidth
