@@ -16,7 +16,7 @@ from omniwire.testing.strategies import payloads
 
 from wire_strategies import batches, goodbyes, messages, refusals
 
-FUZZ_EXAMPLES = 3000
+FUZZ_EXAMPLES = 1500
 _fuzz = settings(
     max_examples=FUZZ_EXAMPLES,
     deadline=None,

@@ -341,15 +341,20 @@ async def test_peer_without_the_key_cannot_deliver_anything() -> None:
         m = Mallory(victim.address)
         before = victim.counters.get("frames_received", 0)
         try:
-            await m.send(wire.encode(wire.AbortMessage(request_id="legit", from_stage="friend")))
+            with anyio.fail_after(5):  # queued at once: the handshake fails later
+                await m.send(wire.encode(wire.AbortMessage(request_id="legit", from_stage="friend")))
             await anyio.sleep(0.5)
         finally:
             m.close()
         assert victim.counters.get("frames_received", 0) == before
         assert victim.counters.get("aborts", 0) == 0
         assert set(victim.peer_names()) == {"friend"}
-        await friend.send("victim", {"ok": 1}, request_id="legit")
-        assert (await victim.receive()).payload == {"ok": 1}
+        # every wait bounded: a hang here once ran into the 120 s test timeout in CI
+        with anyio.fail_after(10):
+            receipt = await friend.send("victim", {"ok": 1}, request_id="legit")
+        with anyio.fail_after(10):
+            assert (await victim.receive()).payload == {"ok": 1}
+        assert receipt.error is None
 
 
 async def test_full_dev_shm_is_a_clear_error_not_a_sigbus() -> None:

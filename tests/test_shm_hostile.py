@@ -17,7 +17,6 @@ import os
 import queue
 import secrets
 import signal
-import subprocess
 import sys
 import threading
 from collections.abc import AsyncIterator, Callable
@@ -34,6 +33,7 @@ import zmq.asyncio
 from omniwire import codec, wire
 from omniwire.endpoint import Endpoint
 from omniwire.hostinfo import host_id
+from omniwire.testing import _warm as warm
 from omniwire.testing.conformance import ipc_address
 
 from foreign_peer import RingWriter as RawRingWriter
@@ -54,13 +54,11 @@ class Victim:
 
     def __init__(self, *, zero_copy: bool, ring: bool) -> None:
         self.address = ipc_address(f"victim-{secrets.token_hex(3)}")
-        args = [sys.executable, VICTIM, self.address]
+        args = [VICTIM, self.address]
         args += ["--zero-copy"] if zero_copy else []
         args += [] if ring else ["--no-ring"]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-        self.proc = subprocess.Popen(
-            args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env
-        )
+        self.proc = warm.start(args, env, stdin=True)  # forked: torch is imported already
         self.events: queue.Queue[dict[str, Any]] = queue.Queue()
         self.seen: list[dict[str, Any]] = []
         threading.Thread(target=self._read, daemon=True).start()

@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import secrets
 import subprocess
-import sys
 import tempfile
 from typing import Any
 
@@ -15,6 +14,7 @@ import pytest
 import torch
 
 from ... import registry
+from .. import _warm as warm
 
 __all__ = ["PeerProcess", "ipc_address", "require_backend", "to_device"]
 
@@ -65,18 +65,10 @@ class PeerProcess:
         self, name: str, address: str, *args: str, env: dict[str, str] | None = None
     ) -> None:
         self.name = name
-        cmd = [
-            sys.executable,
-            "-m",
-            "omniwire.peer",
-            "--name",
-            name,
-            "--address",
-            address,
-            *args,
-        ]
         full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=full_env)
+        peer_args = ["--name", name, "--address", address, *args]
+        # forked from a process that imported torch already: ~2.5 s less per peer
+        self.proc = warm.start(["-m", "omniwire.peer", *peer_args], full_env)
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline().strip()
         if not line.startswith("READY "):
