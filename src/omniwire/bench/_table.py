@@ -169,17 +169,11 @@ async def _bench_backend(
     results: Results,
     table: Table,
     step: Callable[[str], None],
-    with_raw: bool,
+    session: rawbench.Session | None,
 ) -> None:
+    """One row group; ``session``: the bare engine, its transfers interleaved with
+    the rows' (one session serves every mode of a backend)."""
     zero_copy, lend = mode == "zero-copy", mode == "lent"
-    where = f"table {backend} {mode}"
-    session: rawbench.Session | None = None
-    if with_raw and backend in rawbench.ENGINES:
-        step(f"raw {backend} (its transfers interleaved with {mode}'s)")
-        try:
-            session = await anyio.to_thread.run_sync(rawbench.open_session, backend, max(sizes))
-        except Exception as exc:
-            results.fail(f"{where}: raw {backend} baseline", exc)
     tag = secrets.token_hex(3)
     tcp = backend in CROSS_HOST or backend == "example_tcp"
     base = ipc_base(tag)
@@ -230,11 +224,6 @@ async def _bench_backend(
                     row.zmq_rtt_us, row.vs_zmq = zmq, row.rtt_p50_us / zmq
                 table.rows.append(row)
     finally:
-        if session is not None:
-            try:
-                await anyio.to_thread.run_sync(session.close)
-            except Exception as exc:
-                results.fail(f"{where}: closing the raw {backend} baseline", exc)
         if peer is not None:
             code = await anyio.to_thread.run_sync(peer.stop)
             if code != 0:
@@ -299,7 +288,7 @@ def steps(
 ) -> int:
     """Progress steps :func:`run_table` takes."""
     ps = plans(backends)
-    n_raw = sum(1 for b, _ in ps if raw and b in rawbench.ENGINES)
+    n_raw = len({b for b, _ in ps if raw and b in rawbench.ENGINES})
     n_control = 1 if n_raw else 0
     n_obstructed = len(obstructed) if "shm" in backends else 0
     return 2 * len(sizes) + n_raw + n_control + len(ps) * len(sizes) + n_obstructed
@@ -336,20 +325,27 @@ async def run_table(
             table.control_rtt_us = await zmq_rtt_us(zmq, CONTROL_BYTES, max(iters, 400))
         except Exception as exc:
             results.fail("table: raw zmq.asyncio control round trip", exc)
-    for backend, mode in plans(backends):
+    for backend in dict.fromkeys(b for b, _ in plans(backends)):
+        modes = [m for b, m in plans(backends) if b == backend]
+        session: rawbench.Session | None = None
+        if raw_engines and backend in rawbench.ENGINES:
+            step(f"raw {backend} (its transfers interleaved with the {' and '.join(modes)} rows)")
+            try:
+                session = await anyio.to_thread.run_sync(rawbench.open_session, backend, max(sizes))
+            except Exception as exc:
+                results.fail(f"table {backend}: raw {backend} baseline", exc)
         try:
-            await _bench_backend(
-                backend,
-                mode,
-                sizes,
-                iters,
-                results,
-                table,
-                step,
-                raw_engines and backend in rawbench.ENGINES,
-            )
-        except Exception as exc:
-            results.fail(f"table {backend} {mode}", exc)
+            for mode in modes:
+                try:
+                    await _bench_backend(backend, mode, sizes, iters, results, table, step, session)
+                except Exception as exc:
+                    results.fail(f"table {backend} {mode}", exc)
+        finally:
+            if session is not None:
+                try:
+                    await anyio.to_thread.run_sync(session.close)
+                except Exception as exc:
+                    results.fail(f"table {backend}: closing the raw {backend} baseline", exc)
     if obstructed and "shm" in backends:
         try:
             await _bench_obstructed(obstructed, iters, table, step)
