@@ -76,7 +76,10 @@ def test_pipeline_across_namespace_hosts(cluster: Cluster, engine: str, placemen
     encoder, thinker, talker = (cluster[h] for h in placement)
     args = []
     for stage, host in (("encoder", encoder), ("thinker", thinker), ("talker", talker)):
-        args += ["--bind", f"{stage}=tcp://{host.ip}:0"]
+        # the talker's port fixed (nothing else listens in a namespace host): it and
+        # the thinker start at once
+        port = 47101 if stage == "talker" else 0
+        args += ["--bind", f"{stage}=tcp://{host.ip}:{port}"]
         if stage != "encoder":
             args += ["--launch", f"{stage}={shlex.join(host.command(host_env(host)))}"]
     if engine != "mooncake":  # the default policy's choice for another host

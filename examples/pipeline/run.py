@@ -67,9 +67,10 @@ def address(name: str) -> str:
     return f"ipc://{base}/{name}-{secrets.token_hex(3)}"
 
 
-def start(stage: str, *peers: str) -> tuple[subprocess.Popen[str], str]:
+def start(stage: str, at: str, *peers: str) -> tuple[subprocess.Popen[str], str]:
+    """Start a stage listening at ``at``; once it is ready, it and its address."""
     args = [*LAUNCH.get(stage, []), sys.executable, str(HERE / "stages.py"), stage]
-    args += ["--address", address(stage), *(["--prefer", PREFER[0]] if PREFER else [])]
+    args += ["--address", at, *(["--prefer", PREFER[0]] if PREFER else [])]
     for peer in peers:
         args += ["--peer", peer]
     child = subprocess.Popen(args, stdout=subprocess.PIPE, text=True)
@@ -190,18 +191,35 @@ def check(
 
 
 async def main_async(n: int) -> tuple[list[dict[str, Any]], dict[str, Any], dict[str, Any]]:
-    talker, talker_address = await anyio.to_thread.run_sync(start, "talker")
-    thinker, thinker_address = None, ""
+    children: dict[str, tuple[subprocess.Popen[str], str]] = {}
+    failed: list[SystemExit] = []
+
+    async def launch(stage: str, at: str, *peers: str) -> None:
+        try:
+            children[stage] = await anyio.to_thread.run_sync(start, stage, at, *peers)
+        except SystemExit as exc:  # it did not start: said once both launches are over
+            failed.append(exc)
+
+    talker_at = address("talker")
     try:
-        thinker, thinker_address = await anyio.to_thread.run_sync(
-            start, "thinker", f"talker={talker_address}"
-        )
-        results = await encoder(n, thinker_address)
+        if talker_at.endswith(":0"):  # its port is chosen when it binds: it starts first
+            await launch("talker", talker_at)
+            if not failed:
+                await launch("thinker", address("thinker"), f"talker={children['talker'][1]}")
+        else:  # known in advance: both start at once (the thinker dials until it is up)
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(launch, "talker", talker_at)
+                tg.start_soon(launch, "thinker", address("thinker"), f"talker={talker_at}")
+        if failed:
+            raise failed[0]
+        results = await encoder(n, children["thinker"][1])
     finally:
-        reports = [
-            await anyio.to_thread.run_sync(stop, c) for c in (thinker, talker) if c is not None
-        ]
-    return results, reports[0], reports[1]
+        reports = {
+            stage: await anyio.to_thread.run_sync(stop, children[stage][0])
+            for stage in ("thinker", "talker")
+            if stage in children
+        }
+    return results, reports["thinker"], reports["talker"]
 
 
 def main() -> int:
