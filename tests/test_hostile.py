@@ -342,7 +342,9 @@ async def test_peer_without_the_key_cannot_deliver_anything() -> None:
         before = victim.counters.get("frames_received", 0)
         try:
             with anyio.fail_after(5):  # queued at once: the handshake fails later
-                await m.send(wire.encode(wire.AbortMessage(request_id="legit", from_stage="friend")))
+                await m.send(
+                    wire.encode(wire.AbortMessage(request_id="legit", from_stage="friend"))
+                )
             await anyio.sleep(0.5)
         finally:
             m.close()
@@ -352,9 +354,25 @@ async def test_peer_without_the_key_cannot_deliver_anything() -> None:
         # every wait bounded: a hang here once ran into the 120 s test timeout in CI
         with anyio.fail_after(10):
             receipt = await friend.send("victim", {"ok": 1}, request_id="legit")
-        with anyio.fail_after(10):
-            assert (await victim.receive()).payload == {"ok": 1}
+        delivery = None
+        with anyio.move_on_after(10):
+            delivery = await victim.receive()
+        assert delivery is not None, f"nothing delivered in 10 s: {_state(victim, friend)}"
+        assert delivery.payload == {"ok": 1}
         assert receipt.error is None
+
+
+def _state(*endpoints: Endpoint) -> str:
+    """What a hang report needs: counters, queues and each peer's control channel."""
+    parts = []
+    for ep in endpoints:
+        peers = {
+            p.name: (p.status.name, p.ring_attached, p.ring_reading, repr(p.ring_reader),
+                     repr(p.ring_writer))
+            for p in ep._peers.all()  # a test's diagnostic
+        }  # fmt: skip
+        parts.append(f"{ep.name}: queued={ep.queued()} peers={peers} counters={dict(ep.counters)}")
+    return "; ".join(parts)
 
 
 async def test_full_dev_shm_is_a_clear_error_not_a_sigbus() -> None:
