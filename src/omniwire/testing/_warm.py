@@ -207,9 +207,13 @@ def _serve(sock: socket.socket) -> None:
     """Fork a child per request; report each child's exit status (as Popen would
     give it: negative for a signal). Ends when the test process closes its side."""
     import selectors
+    import warnings
 
     for name in PRELOAD:
         __import__(name)
+    # Python 3.12+ warns at fork() when other threads exist (torch starts one, idle);
+    # the children use nothing of it.
+    warnings.filterwarnings("ignore", ".*fork", DeprecationWarning)
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
     os.set_blocking(wake_r, False)
