@@ -114,7 +114,7 @@ PEER_TIMEOUT = 2.0
 class Side:
     """A ``cluster_peer.py`` process in a host; its JSON lines read by a thread."""
 
-    def __init__(self, host: Host, *args: str, wait_ready: bool = True) -> None:
+    def __init__(self, host: Host, *args: str) -> None:
         self.host = host
         self.stderr = tempfile.TemporaryFile("w+")  # noqa: SIM115 (closed by finish/kill; a pipe could fill and stall it)
         self.proc = host.popen(
@@ -128,11 +128,8 @@ class Side:
         self.seen: list[dict[str, Any]] = []
         self.address = ""
         threading.Thread(target=self._read, daemon=True).start()
-        if args[0] == "recv" and wait_ready:
-            self.wait_ready()
-
-    def wait_ready(self) -> None:
-        self.address = self.expect(lambda m: "ready" in m, 30)["ready"]
+        if args[0] == "recv":
+            self.address = self.expect(lambda m: "ready" in m, 30)["ready"]
 
     def _read(self) -> None:
         assert self.proc.stdout is not None
@@ -184,22 +181,18 @@ class Side:
             self.stderr.close()
 
 
-#: The receiver's control port: fixed, so that both sides start at once (its host is
-#: a namespace of its own, where nothing else listens).
-RECV_PORT = 47001
-
-
 def start_pair(cluster: Cluster, engine: str, *extra: str) -> tuple[Side, Side, Host, Host]:
+    """The receiver first, then the sender with the address it bound. (Started both at
+    once, on a fixed port, the first mooncake transfer after a heal stalled until
+    the ACK timeout in 4 of 26 runs of the partition case, and in none of 10 this
+    way: not understood yet, see the closing note of the namespace-hosts issue.)"""
     sender, receiver = cluster["c"], cluster["b"]
     common = ["--backends", f"local,shm,{engine}", "--peer-timeout", str(PEER_TIMEOUT)]
     route = [] if engine == "mooncake" else ["--route", engine]
-    address = f"tcp://{receiver.ip}:{RECV_PORT}"
-    recv = Side(receiver, "recv", "--name", "r", "--address", address, *common,
-                wait_ready=False)  # fmt: skip
+    recv = Side(receiver, "recv", "--name", "r", "--address", f"tcp://{receiver.ip}:0",
+                *common)  # fmt: skip
     send = Side(sender, "send", "--name", "s", "--address", f"tcp://{sender.ip}:0",
-                "--peer", f"r={address}", *common, *route, *extra)  # fmt: skip
-    recv.wait_ready()
-    assert recv.address == address, recv.address
+                "--peer", f"r={recv.address}", *common, *route, *extra)  # fmt: skip
     send.expect(lambda m: m.get("ready") is True, 30)
     return send, recv, sender, receiver
 
