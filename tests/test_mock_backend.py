@@ -166,3 +166,35 @@ class TestMockConformance(BackendConformance):
     def backend_class(cls) -> Any:
         with register_mock_backend() as name:
             yield registry.load_backend(name)
+
+
+@pytest.mark.asyncio
+async def test_a_peer_whose_object_is_slow_to_read_does_not_hold_another_peers_frames() -> None:
+    """While the receiver reads a's object (its fetch held), b's inline payload and a
+    reply's ACK still come through: one peer's engine transfer does not stop the
+    receiver reading every other peer's frames."""
+    hooks = MockHooks()
+    with register_mock_backend() as name:
+        # three "hosts": no control ring, every frame comes through the PULL socket
+        async with (
+            _pair(hooks, name, host_id="host-a") as (a, r),
+            Endpoint(
+                "other", address=ipc_address("other"), peers={r.name: r.address}, host_id="host-o"
+            ) as other,
+        ):
+            await other.wait_peer(r.name, 30)
+            gate = hooks.pause("fetch")
+            slow = await a.send(r.name, {"t": torch.arange(1000)}, request_id="slow")
+            with anyio.fail_after(10):
+                await gate.wait()  # the receiver is reading a's object now
+            await other.send(r.name, {"hello": 1}, request_id="quick")
+            got = None
+            with anyio.move_on_after(3):
+                got = await r.receive(request_id="quick")
+            gate.open()
+            assert got is not None, "b's payload waited for a's object to be read"
+            assert got.payload == {"hello": 1}
+            with anyio.fail_after(10):
+                d = await r.receive(request_id="slow")
+                await slow.wait()
+            assert torch.equal(d.payload["t"], torch.arange(1000))
