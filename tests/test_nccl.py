@@ -376,9 +376,12 @@ def test_abort_refuses_queued_objects_out_of_order_without_stalling(
                 while b.in_flight()[a.name][1] < 3:
                     await anyio.sleep(0.02)
             await a.abort("r2", "test")
-            for receipt in doomed:
+            for receipt in doomed:  # they fail at once, here: the abort is ours
                 with pytest.raises(RequestAbortedError):
                     await receipt.wait(30)
+            with anyio.fail_after(30):  # and b applies it when its abort message comes
+                while b.counters.get("aborts", 0) < 1:
+                    await anyio.sleep(0.01)
             got: dict[str, Any] = {}
             with anyio.fail_after(30):
                 while "r3" not in got:
@@ -399,10 +402,9 @@ def test_abort_refuses_queued_objects_out_of_order_without_stalling(
             assert torch.equal(got["r1"], _pattern(1, 300_000))
             assert torch.equal(got["r3"], _pattern(3, 1 << 20))
             assert "r2" not in got
-            # Every byte of the refused objects was received too (r2b into scratch; r2a
-            # into scratch or, if its fetch had begun, into the cancelled fetch's buffer)
-            # and every send completed.
-            await _settle(a.backend("nccl"), b.backend("nccl"), sends=5, consumed=1)
+            # Every byte of the refused objects was received too: b applied the abort
+            # while r2a waited for room, so both went into scratch; every send completed.
+            await _settle(a.backend("nccl"), b.backend("nccl"), sends=5, consumed=2)
         assert not torch.distributed.is_initialized()
 
     anyio.run(run)

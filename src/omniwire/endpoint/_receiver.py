@@ -415,6 +415,10 @@ class Receiver:
         if scope.cancel_called or aborted:  # aborted, the peer is gone, or we are closing
             if taken:
                 share.release()  # taken, but it will not be delivered
+            if aborted and record.imp is None:
+                # aborted before its read began (waiting for room): a two-sided engine's
+                # send still needs its receive, in order, or it never completes
+                await self.reader.consume(peer, record)
             reason: wire.NackReason = "aborted" if aborted else "receiver_closed"
             self.finish(peer, record, reason, reason.replace("_", " "))
             return
