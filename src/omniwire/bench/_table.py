@@ -271,16 +271,15 @@ async def _bench_obstructed(
             raise RuntimeError(f"shm obstructed: the peer process exited with {code}")
 
 
+def _modes(backend: str) -> list[str]:
+    """The row groups of one backend."""
+    return ["copy", *(["zero-copy"] if backend == "shm" else []),
+            *(["lent"] if backend in CROSS_HOST else [])]  # fmt: skip
+
+
 def plans(backends: Sequence[str]) -> list[tuple[str, str]]:
     """(backend, mode) per table row group."""
-    out = []
-    for b in backends:
-        out.append((b, "copy"))
-        if b == "shm":
-            out.append((b, "zero-copy"))
-        if b in CROSS_HOST:
-            out.append((b, "lent"))
-    return out
+    return [(b, m) for b in backends for m in _modes(b)]
 
 
 def steps(
@@ -325,8 +324,8 @@ async def run_table(
             table.control_rtt_us = await zmq_rtt_us(zmq, CONTROL_BYTES, max(iters, 400))
         except Exception as exc:
             results.fail("table: raw zmq.asyncio control round trip", exc)
-    for backend in dict.fromkeys(b for b, _ in plans(backends)):
-        modes = [m for b, m in plans(backends) if b == backend]
+    for backend in dict.fromkeys(backends):
+        modes = _modes(backend)
         session: rawbench.Session | None = None
         if raw_engines and backend in rawbench.ENGINES:
             step(f"raw {backend} (its transfers interleaved with the {' and '.join(modes)} rows)")
