@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
 import threading
@@ -26,6 +27,7 @@ from omniwire.backends.support import (
     check_range,
     poll_until,
 )
+from omniwire.backends.threads import Threads
 from omniwire.errors import BackendClosedError, BackendError
 
 
@@ -360,6 +362,133 @@ async def test_a_completion_wait_outlives_its_cancellation_like_a_worker_thread(
         assert len(completions) == 0
     finally:
         await anyio.to_thread.run_sync(completions.stop)
+
+
+class _Flagged:
+    """A transfer that ends when its event is set; where it was started."""
+
+    def __init__(self) -> None:
+        self.ended = threading.Event()
+        self.started_in = threading.current_thread().name
+
+    def done(self) -> bool:
+        return self.ended.is_set()
+
+
+@pytest.mark.asyncio
+async def test_start_and_wait_starts_in_a_worker_thread_and_wakes_the_loop_once() -> None:
+    """The blocking start runs in one of the backend's threads, which hands the
+    transfer on to the completion thread itself: the loop is woken once, at the end
+    (a wake-up in between would be a callback scheduled from another thread)."""
+    threads = Threads("test-start-wait-t")
+    completions = Completions("test-start-wait-c")
+    loop = asyncio.get_running_loop()
+    wakeups: list[str] = []
+    schedule = loop.call_soon_threadsafe
+
+    def counted(callback, *args):  # type: ignore[no-untyped-def]
+        wakeups.append(getattr(callback, "__name__", repr(callback)))
+        return schedule(callback, *args)
+
+    transfer: list[_Flagged] = []
+
+    def start() -> _Flagged:
+        transfer.append(_Flagged())
+        return transfer[0]
+
+    loop.call_soon_threadsafe = counted  # type: ignore[method-assign]
+    try:
+        async with anyio.create_task_group() as tg:
+            got: list[_Flagged] = []
+
+            async def run() -> None:
+                got.append(await completions.start_and_wait(threads, start, timeout=10, what="x"))
+
+            tg.start_soon(run)
+            with anyio.fail_after(5):
+                while len(completions) == 0:
+                    await anyio.sleep(0.005)
+            assert wakeups == [] and not got  # started and watched: the loop not woken
+            transfer[0].ended.set()
+        assert got == transfer and transfer[0].started_in.startswith("test-start-wait-t")
+        assert len(wakeups) == 1 and completions.waited == 1
+    finally:
+        del loop.call_soon_threadsafe
+        await anyio.to_thread.run_sync(completions.stop)
+        await anyio.to_thread.run_sync(threads.stop)
+
+
+@pytest.mark.asyncio
+async def test_start_and_wait_raises_what_the_start_or_the_transfer_raised() -> None:
+    threads = Threads("test-start-wait-e")
+    completions = Completions("test-start-wait-f")
+
+    def refused() -> _Flagged:
+        raise BackendError("engine: submit refused (code -1)")
+
+    class Failing(_Flagged):
+        def done(self) -> bool:
+            raise BackendError("engine: read failed (code -2)")
+
+    try:
+        with pytest.raises(BackendError, match="code -1"):
+            await completions.start_and_wait(threads, refused, timeout=10, what="x")
+        with pytest.raises(BackendError, match="code -2"):
+            await completions.start_and_wait(threads, Failing, timeout=10, what="x")
+        with pytest.raises(TransferTimeoutError, match="slow did not finish"):
+            await completions.start_and_wait(threads, _Flagged, timeout=0.05, what="slow")
+        assert len(completions) == 0
+    finally:
+        await anyio.to_thread.run_sync(completions.stop)
+    with pytest.raises(BackendClosedError):
+        await completions.start_and_wait(threads, _Flagged, timeout=1, what="after stop")
+    await anyio.to_thread.run_sync(threads.stop)
+
+
+@pytest.mark.asyncio
+async def test_start_and_wait_still_waits_for_a_transfer_started_as_completions_stop() -> None:
+    """Stopped between the start and the watch: the started transfer is still waited
+    for (in the worker thread), never left running unseen."""
+    threads = Threads("test-start-wait-s")
+    completions = Completions("test-start-wait-d")
+    made: list[_Flagged] = []
+
+    def start() -> _Flagged:
+        completions.stop()  # as the backend closes meanwhile
+        made.append(_Flagged())
+        return made[0]
+
+    async def end_soon() -> None:
+        with anyio.fail_after(5):
+            while not made:
+                await anyio.sleep(0.005)
+        await anyio.sleep(0.05)
+        made[0].ended.set()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(end_soon)
+        got = await completions.start_and_wait(threads, start, timeout=10, what="x")
+    assert got is made[0] and made[0].ended.is_set()
+    await anyio.to_thread.run_sync(threads.stop)
+
+
+def test_a_posted_call_that_raises_is_logged_and_the_thread_goes_on(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    threads = Threads("test-posted")
+    ran = threading.Event()
+
+    def bad() -> None:
+        raise RuntimeError("boom")
+
+    with caplog.at_level(logging.ERROR, logger="omniwire.backends"):
+        threads.post(bad)
+        threads.post(ran.set)
+        assert ran.wait(5)
+    threads.stop()
+    assert "a posted call raised" in caplog.text and "boom" in caplog.text
+    with pytest.raises(BackendClosedError):
+        threads.post(ran.set)
 
 
 class _Timed:

@@ -13,13 +13,26 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from typing import Any, Protocol, TypeVar
 
 from ..errors import BackendClosedError, BackendError
-from .threads import settle, until_ended
+from .threads import Threads, settle, until_ended
+
+
+class Transfer(Protocol):
+    """A started transfer, as :meth:`Completions.start_and_wait` takes it."""
+
+    def done(self) -> bool:
+        """Whether it ended (called from one thread at a time)."""
+        ...
+
+
+S = TypeVar("S", bound=Transfer)
 
 __all__ = [
     "Completions",
     "Pace",
+    "Transfer",
     "TransferAbandonedError",
     "TransferTimeoutError",
     "poll_until",
@@ -147,6 +160,7 @@ class _Watch:
         "future",
         "loop",
         "nbytes",
+        "result",
         "running_at",
         "started",
         "timeout",
@@ -160,7 +174,8 @@ class _Watch:
         what: str,
         cancelled: Callable[[], bool] | None,
         loop: asyncio.AbstractEventLoop,
-        future: asyncio.Future[None],
+        future: asyncio.Future[Any],
+        finished: asyncio.Future[None],
         nbytes: int,
         expected: float,
     ) -> None:
@@ -171,9 +186,11 @@ class _Watch:
         self.loop = loop
         self.future = future
         #: settled with ``future`` but never cancelled: a cancelled waiter awaits it
-        self.finished: asyncio.Future[None] = loop.create_future()
+        self.finished = finished
         self.started = time.monotonic()
         self.nbytes = nbytes
+        #: what the waiter's future gets when the transfer ended
+        self.result: Any = None
         #: ``done()`` is not called before this time (near the expected end)
         self.first_check = self.started + FIRST_CHECK_SHARE * expected
         #: when the completion thread looks at this transfer next
@@ -217,8 +234,17 @@ class _Watch:
 
 
 def _settle(watch: _Watch, outcome: BaseException | bool) -> None:
+    _settle_with(watch.future, watch.finished, outcome, watch.result)
+
+
+def _settle_with(
+    future: asyncio.Future[Any],
+    finished: asyncio.Future[None],
+    outcome: BaseException | bool,
+    result: Any,
+) -> None:
     failed = isinstance(outcome, BaseException)
-    settle(watch.future, watch.finished, not failed, outcome if failed else None)
+    settle(future, finished, not failed, outcome if failed else result)
 
 
 class Completions:
@@ -276,20 +302,92 @@ class Completions:
             Whatever ``done()`` raises (the engine's failure).
         """
         loop = asyncio.get_running_loop()
+        future: asyncio.Future[None] = loop.create_future()
+        finished: asyncio.Future[None] = loop.create_future()
+        if not self._watch(done, timeout, what, cancelled, loop, future, finished, nbytes):
+            raise BackendClosedError(f"{self.name} is stopped")
+        await until_ended(future, finished)
+
+    async def start_and_wait(
+        self,
+        threads: Threads,
+        start: Callable[[], S],
+        *,
+        timeout: float,
+        what: str,
+        cancelled: Callable[[], bool] | None = None,
+        nbytes: int = 0,
+    ) -> S:
+        """``start()`` (a blocking call that starts a transfer and returns it: an
+        object whose ``done()`` says it ended) in one of ``threads``, then wait for the
+        transfer as :meth:`wait` does; returns it. The thread hands the transfer to
+        this object's thread itself, so the event loop wakes once, at the end, instead
+        of once when ``start()`` returned and once when the transfer ended.
+
+        Not cancellable, as :meth:`wait`.
+
+        Raises:
+            What ``start()`` raises; what :meth:`wait` raises.
+            BackendClosedError: ``threads`` or this object is stopped.
+        """
+        if self._stopped:
+            raise BackendClosedError(f"{self.name} is stopped")
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[S] = loop.create_future()
+        finished: asyncio.Future[None] = loop.create_future()
+
+        def begin() -> None:  # in one of ``threads``
+            try:
+                transfer = start()
+            except BaseException as exc:
+                with contextlib.suppress(RuntimeError):  # its loop is closed
+                    loop.call_soon_threadsafe(settle, future, finished, False, exc)
+                return
+            done = transfer.done
+            if self._watch(
+                done, timeout, what, cancelled, loop, future, finished, nbytes, transfer
+            ):
+                return
+            # stopped meanwhile: the transfer runs all the same, so wait for it here
+            outcome: BaseException | bool
+            try:
+                poll_until(done, timeout=timeout, what=what, cancelled=cancelled)
+                outcome = True
+            except BaseException as exc:
+                outcome = exc
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(_settle_with, future, finished, outcome, transfer)
+
+        threads.post(begin)
+        return await until_ended(future, finished)
+
+    def _watch(
+        self,
+        done: Callable[[], bool],
+        timeout: float,
+        what: str,
+        cancelled: Callable[[], bool] | None,
+        loop: asyncio.AbstractEventLoop,
+        future: asyncio.Future[Any],
+        finished: asyncio.Future[None],
+        nbytes: int,
+        result: Any = None,
+    ) -> bool:
+        """Watch a transfer (from any thread); its future gets ``result`` when it ends.
+        False (nothing watched) once stopped."""
         with self._cond:
             if self._stopped:
-                raise BackendClosedError(f"{self.name} is stopped")
+                return False
             expected = self._pace.expect(nbytes)
-            watch = _Watch(
-                done, timeout, what, cancelled, loop, loop.create_future(), nbytes, expected
-            )
+            watch = _Watch(done, timeout, what, cancelled, loop, future, finished, nbytes, expected)
+            watch.result = result
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
                 self._thread.start()
             self._watches.append(watch)
             self.waited += 1
             self._cond.notify()
-        await until_ended(watch.future, watch.finished)
+        return True
 
     def _run(self) -> None:
         _fine_timer_slack()

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import queue
 import threading
 from collections.abc import Callable
@@ -27,8 +28,14 @@ __all__ = ["Threads", "settle", "until_ended"]
 
 T = TypeVar("T")
 
+log = logging.getLogger("omniwire.backends")
+
+#: a call, and where its outcome goes (all None: posted, not waited for)
 _Job = tuple[
-    Callable[[], Any], asyncio.AbstractEventLoop, "asyncio.Future[Any]", "asyncio.Future[None]"
+    Callable[[], Any],
+    asyncio.AbstractEventLoop | None,
+    "asyncio.Future[Any] | None",
+    "asyncio.Future[None] | None",
 ]
 
 
@@ -94,6 +101,21 @@ class Threads:
         loop = asyncio.get_running_loop()
         future: asyncio.Future[T] = loop.create_future()
         finished: asyncio.Future[None] = loop.create_future()  # awaited once cancelled
+        self._put((fn, loop, future, finished))
+        return await until_ended(future, finished)
+
+    def post(self, fn: Callable[[], None]) -> None:
+        """``fn()`` in one of these threads, not waited for: ``fn`` reports its own
+        outcome (to the loop, with ``call_soon_threadsafe``) and raises nothing (what it
+        raises is logged). For a caller that hands the rest of the work on from the
+        thread (:meth:`~omniwire.backends.completion.Completions.start_and_wait`).
+
+        Raises:
+            BackendClosedError: :meth:`stop` was called.
+        """
+        self._put((fn, None, None, None))
+
+    def _put(self, job: _Job) -> None:
         with self._lock:
             if self._stopped:
                 raise BackendClosedError(f"{self.name} is stopped")
@@ -105,8 +127,7 @@ class Threads:
                 )
                 self._threads.append(thread)
                 thread.start()
-            self._jobs.put((fn, loop, future, finished))
-        return await until_ended(future, finished)
+            self._jobs.put(job)
 
     def _serve(self) -> None:
         while True:
@@ -121,6 +142,11 @@ class Threads:
             del job, fn  # hold nothing of the call while idle
             with self._lock:
                 self._pending -= 1
+            if loop is None or future is None or finished is None:  # posted: not waited for
+                if not outcome[0]:
+                    log.error("%s: a posted call raised", self.name, exc_info=outcome[1])
+                del outcome
+                continue
             with contextlib.suppress(RuntimeError):  # its loop is closed
                 loop.call_soon_threadsafe(settle, future, finished, *outcome)
             del future, finished, outcome

@@ -155,10 +155,11 @@ class _Import(Import):
         registered receive pool's blocks) and the submit are one call in one of the
         backend's threads (:class:`~omniwire.backends.threads.Threads`; not on the
         event loop: the TCP transport may connect to the peer inside its submit call,
-        which blocks while a link is down); the backend's one
-        :class:`~omniwire.backends.completion.Completions` thread then waits for every
-        read in flight (a thread polling per read, dozens of them while objects
-        stream, took the cores from the engine).
+        which blocks while a link is down); that thread hands the reads to the
+        backend's one :class:`~omniwire.backends.completion.Completions` thread, which
+        waits for every read in flight (a thread polling per read, dozens of them while
+        objects stream, took the cores from the engine) and wakes the loop once, when
+        the reads ended (``start_and_wait``).
         """
         reads = []
         for at, remote, length in self.spans:
@@ -173,11 +174,16 @@ class _Import(Import):
         def lost() -> bool:
             return peer.key not in mc._peers
 
+        submitted = False  # start() returned: its failures unregister themselves
+
         def start() -> Reads:
+            nonlocal submitted
             if register:
                 engine.register(local + lo, hi - lo)
             try:
-                return submit(engine, session, reads, timeout)
+                batch = submit(engine, session, reads, timeout)
+                submitted = True
+                return batch
             except TransferTimeoutError:
                 raise  # it may still land: the memory stays registered, see _abandoned
             except BaseException:
@@ -191,13 +197,19 @@ class _Import(Import):
             # (or timed out: then its memory is abandoned below), never while the
             # engine may write into memory the caller would reuse.
             with anyio.CancelScope(shield=True):
-                batch = await mc._threads.run(start)
                 try:
-                    await mc._completions.wait(
-                        batch.done, timeout=timeout, what=batch.what, cancelled=lost, nbytes=hi - lo
+                    batch = await mc._completions.start_and_wait(
+                        mc._threads,
+                        start,
+                        timeout=timeout,
+                        what=f"mooncake: read of {hi - lo} bytes from session {session}",
+                        cancelled=lost,
+                        nbytes=hi - lo,
                     )
                 except BackendError as exc:
-                    ended = not isinstance(exc, (TransferTimeoutError, TransferAbandonedError))
+                    ended = submitted and not isinstance(
+                        exc, (TransferTimeoutError, TransferAbandonedError)
+                    )
                     raise
             ended = True
             batch.check()
