@@ -177,7 +177,7 @@ class _Watch:
         future: asyncio.Future[Any],
         finished: asyncio.Future[None],
         nbytes: int,
-        expected: float,
+        result: Any = None,
     ) -> None:
         self.done = done
         self.timeout = timeout
@@ -190,9 +190,10 @@ class _Watch:
         self.started = time.monotonic()
         self.nbytes = nbytes
         #: what the waiter's future gets when the transfer ended
-        self.result: Any = None
-        #: ``done()`` is not called before this time (near the expected end)
-        self.first_check = self.started + FIRST_CHECK_SHARE * expected
+        self.result = result
+        #: ``done()`` is not called before this time (near the expected end; set when
+        #: watched, from :class:`Pace`)
+        self.first_check = self.started
         #: when the completion thread looks at this transfer next
         self.due = self.started
         #: the last time ``done()`` said it still runs
@@ -304,7 +305,7 @@ class Completions:
         loop = asyncio.get_running_loop()
         future: asyncio.Future[None] = loop.create_future()
         finished: asyncio.Future[None] = loop.create_future()
-        if not self._watch(done, timeout, what, cancelled, loop, future, finished, nbytes):
+        if not self._watch(_Watch(done, timeout, what, cancelled, loop, future, finished, nbytes)):
             raise BackendClosedError(f"{self.name} is stopped")
         await until_ended(future, finished)
 
@@ -344,9 +345,8 @@ class Completions:
                     loop.call_soon_threadsafe(settle, future, finished, False, exc)
                 return
             done = transfer.done
-            if self._watch(
-                done, timeout, what, cancelled, loop, future, finished, nbytes, transfer
-            ):
+            watch = _Watch(done, timeout, what, cancelled, loop, future, finished, nbytes, transfer)
+            if self._watch(watch):
                 return
             # stopped meanwhile: the transfer runs all the same, so wait for it here
             outcome: BaseException | bool
@@ -361,26 +361,12 @@ class Completions:
         threads.post(begin)
         return await until_ended(future, finished)
 
-    def _watch(
-        self,
-        done: Callable[[], bool],
-        timeout: float,
-        what: str,
-        cancelled: Callable[[], bool] | None,
-        loop: asyncio.AbstractEventLoop,
-        future: asyncio.Future[Any],
-        finished: asyncio.Future[None],
-        nbytes: int,
-        result: Any = None,
-    ) -> bool:
-        """Watch a transfer (from any thread); its future gets ``result`` when it ends.
-        False (nothing watched) once stopped."""
+    def _watch(self, watch: _Watch) -> bool:
+        """Watch a transfer (from any thread); False (not watched) once stopped."""
         with self._cond:
             if self._stopped:
                 return False
-            expected = self._pace.expect(nbytes)
-            watch = _Watch(done, timeout, what, cancelled, loop, future, finished, nbytes, expected)
-            watch.result = result
+            watch.first_check = watch.started + FIRST_CHECK_SHARE * self._pace.expect(watch.nbytes)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
                 self._thread.start()
