@@ -185,6 +185,47 @@ def test_inline_limit_counts_tensor_bytes_not_overhead() -> None:
     )  # type: ignore[union-attr]
 
 
+def test_checked_entries_are_remembered_but_never_an_invalid_one() -> None:
+    """A stream carries the same tensor table in every chunk: an entry equal to one
+    checked before is not checked again (a bounded memo); what differs in any checked
+    value is checked, so an invalid entry is refused however often a valid one came."""
+    from omniwire.wire import _messages
+
+    good = dict(dtype="float32", shape=(256,), offset=0, nbytes=1024)
+    for _ in range(2):  # the second time from the memo
+        meta = wire.TensorMeta(**good)  # type: ignore[arg-type]
+        assert meta in _messages._VALID_METAS.keys
+        with pytest.raises(ValueError, match="needs 1024"):
+            wire.TensorMeta(**{**good, "nbytes": 1000})  # type: ignore[arg-type]
+        chunk = dict(tensors=(meta,), data=bytes(1024))
+        wire.InlineStreamChunkRef(**chunk)  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match="beyond the 1000-byte buffer"):
+            wire.InlineStreamChunkRef(tensors=(meta,), data=bytes(1000))
+        frame = wire.encode(
+            wire.DataReadyMessage(
+                request_id="r",
+                from_stage="a",
+                to_stage="b",
+                inline=wire.InlineStreamChunkRef(**chunk),  # type: ignore[arg-type]
+            )
+        )
+        assert wire.decode(frame).inline.tensors == (meta,)  # type: ignore[union-attr]
+    # bounded: ever new valid entries empty it when full
+    limit = _messages._VALID_METAS.limit
+    for i in range(limit + 10):
+        wire.TensorMeta(dtype="uint8", shape=(i,), offset=0, nbytes=i)
+    assert len(_messages._VALID_METAS.keys) <= limit
+    # unhashable values (lists) are checked, not remembered
+    with pytest.raises(ValueError, match="needs 1024"):
+        wire.TensorMeta(dtype="float32", shape=[256], offset=0, nbytes=1000)  # type: ignore[arg-type]
+    listed = wire.TensorMeta(dtype="float32", shape=[256], offset=0, nbytes=1024)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="beyond"):
+        wire.InlineStreamChunkRef(tensors=[listed], data=bytes(10))  # type: ignore[arg-type]
+    # long paths are checked every time, not remembered
+    long = wire.TensorMeta(**{**good, "path": "p" * 300})  # type: ignore[arg-type]
+    assert long not in _messages._VALID_METAS.keys
+
+
 def test_invalid_field_in_a_frame_names_the_field() -> None:
     body = msgspec.msgpack.encode(
         {"type": "data_ack", "object_id": -5, "from_stage": "a", "to_stage": "b"}

@@ -116,6 +116,35 @@ class _Base(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Fal
     through it, and a stream of them then never triggers a full collection)."""
 
 
+class _Valid:
+    """What passed a validation that depends only on the values checked (a pure
+    function of them), so that the same entry seen again — every chunk of a stream
+    carries the same tensor table — is not checked again in Python: membership hashes
+    and compares frozen structs in C. Bounded: emptied when full, so a peer sending
+    ever new (valid) entries costs memory up to ``limit`` entries, never more."""
+
+    __slots__ = ("keys", "limit")
+
+    def __init__(self, limit: int) -> None:
+        self.keys: set[object] = set()
+        self.limit = limit
+
+    def add(self, key: object) -> None:
+        keys = self.keys
+        if len(keys) >= self.limit:
+            keys.clear()
+        keys.add(key)
+
+
+_VALID_METAS = _Valid(4096)
+_VALID_INLINE = _Valid(1024)  # (tensor table, data length) of inline chunks
+#: Only small entries are remembered (what the memo holds stays within a few MiB):
+#: a tensor path of at most this many characters, an inline table of at most this
+#: many tensors.
+_MEMO_PATH = 256
+_MEMO_TENSORS = 16
+
+
 class TensorMeta(_Base, frozen=True, kw_only=True):
     """One tensor of a payload: where its bytes are and how to view them."""
 
@@ -127,6 +156,17 @@ class TensorMeta(_Base, frozen=True, kw_only=True):
     path: str = ""
 
     def __post_init__(self) -> None:
+        try:
+            if self in _VALID_METAS.keys:  # equal to one checked before: valid
+                return
+        except TypeError:  # built with an unhashable value (a list): checked, not kept
+            self._check()
+            return
+        self._check()
+        if len(self.path) <= _MEMO_PATH:
+            _VALID_METAS.add(self)
+
+    def _check(self) -> None:
         itemsize = DTYPE_ITEMSIZE.get(self.dtype)
         if itemsize is None:
             raise ValueError(f"TensorMeta.dtype {self.dtype!r} is not a wire dtype")
@@ -243,6 +283,18 @@ class InlineStreamChunkRef(_Base, frozen=True, kw_only=True):
 
     def __post_init__(self) -> None:
         size = len(self.data)
+        key = (self.tensors, size)
+        try:
+            if len(self.tensors) <= _MEMO_TENSORS and key in _VALID_INLINE.keys:
+                return  # the table of a chunk seen before, with as many bytes
+        except TypeError:  # built with an unhashable table (a list): checked, not kept
+            self._check(size)
+            return
+        self._check(size)
+        if len(self.tensors) <= _MEMO_TENSORS:
+            _VALID_INLINE.add(key)
+
+    def _check(self, size: int) -> None:
         if len(self.tensors) > MAX_TENSORS:
             raise ValueError(
                 f"InlineStreamChunkRef.tensors has {len(self.tensors)} entries; limit {MAX_TENSORS}"
