@@ -814,3 +814,93 @@ def test_the_tcp_slice_follows_the_interface_that_holds_the_engines_address() ->
     assert tcp_slice_size("127.0.0.1") is None  # loopback keeps the engine's slice
     assert _interface_mtu("198.18.255.254") is None  # no interface of ours holds it
     assert tcp_slice_size("not-an-address") is None
+
+
+# -- shared references: born tensors and fan-outs ----------------------------------------
+
+
+@asynccontextmanager
+async def _hosts(n: int, zero_copy: bool = False) -> AsyncIterator[tuple[Endpoint, list[Endpoint]]]:
+    """A sender and ``n`` receivers, each told apart as another host, every edge mooncake."""
+    require_backend("mooncake")
+    tag = secrets.token_hex(3)
+    a_name = f"sh-a-{tag}"
+    names = [f"sh-b{i}-{tag}" for i in range(n)]
+    opts = {"mooncake": {"pool_size": 8 << 20}}
+    receivers = [
+        Endpoint(
+            name,
+            address="tcp://127.0.0.1:0",
+            backends=["mooncake"],
+            routes={a_name: "mooncake"},
+            host_id=f"host-{name}",
+            zero_copy=zero_copy,
+            backend_options=opts,
+        )
+        for name in names
+    ]
+    for r in receivers:
+        await r.start()
+    try:
+        async with Endpoint(
+            a_name,
+            address="tcp://127.0.0.1:0",
+            peers={r.name: r.address for r in receivers},
+            backends=["mooncake"],
+            routes=dict.fromkeys(names, "mooncake"),
+            host_id=f"host-a-{tag}",
+            backend_options=opts,
+        ) as a:
+            for name in names:
+                await a.wait_peer(name, 30)
+            yield a, receivers
+    finally:
+        with anyio.CancelScope(shield=True):
+            for r in receivers:
+                await r.aclose()
+
+
+@pytest.mark.asyncio
+async def test_a_born_tensor_is_a_slot_of_the_registered_pool_and_sent_in_place() -> None:
+    """``Endpoint.empty()`` on a mooncake route is a slot of the registered pool: a send
+    of it packs nothing, lends nothing (no registration of its own), and the slot goes
+    back when the buffer is released."""
+    async with _hosts(1) as (a, (b,)):
+        mc = a.backend("mooncake")
+        buf = await a.empty(b.name, (1 << 18,), torch.int32)
+        assert buf.backend == "mooncake"
+        exports, packed = mc.stats().exports, a.counters["bytes_packed"]
+        lent = mc.counters["lent"]
+        for i in range(3):  # refilled after each receipt
+            want = pattern(1 << 20).view(torch.int32) + i
+            buf.tensor.copy_(want)
+            with anyio.fail_after(30):
+                receipt = await a.send(b.name, {"h": buf.tensor}, request_id=f"r{i}")
+                d = await b.receive()
+                assert d.backend == "mooncake" and torch.equal(d.payload["h"], want)
+                d.release()
+                await receipt.wait()
+                await buf.settled(30)
+        assert mc.stats().exports == exports  # no slot was packed for the sends
+        assert a.counters["bytes_packed"] == packed
+        assert mc.counters["lent"] == lent  # nothing lent: no registration of its own
+        buf.release()
+        assert mc.stats().exports == exports - 1  # its slot is back
+
+
+@pytest.mark.asyncio
+async def test_a_fan_out_to_two_mooncake_peers_packs_one_buffer_both_read() -> None:
+    async with _hosts(2) as (a, receivers):
+        mc = a.backend("mooncake")
+        t = pattern(1 << 20)
+        packed = a.counters["bytes_packed"]
+        with anyio.fail_after(30):
+            receipts = await a.send([r.name for r in receivers], {"t": t}, request_id="f")
+            for r in receivers:
+                d = await r.receive()
+                assert d.backend == "mooncake" and torch.equal(d.payload["t"], t)
+                d.release()
+            for receipt in receipts:
+                await receipt.wait()
+        assert a.counters["bytes_packed"] - packed == t.nbytes  # once, not per target
+        assert mc.stats().exports == 0  # released with the last ACK

@@ -22,6 +22,12 @@ polling thread per read: while 1 MiB objects stream between two namespace hosts,
 dozens of them took the cores from the engine, and one poller streams 1.7 times
 as fast). Each read has its own batch id. The ACK frees the slot.
 
+**Shared references** (``Capabilities.shared_refs``): a reference names the session,
+an offset and a length, and any peer may read it, so a fan-out to several mooncake
+peers packs one slot that all of them read (freed with the last ACK), and
+``Endpoint.empty()`` hands out a slot of the pool: a tensor born there is sent in
+place, with no pack copy and no registration of its own.
+
 **Lent tensors** (``send(..., lend=True)``, CPU tensors, contiguous): no packing.
 The sender registers each tensor's storage with the engine (a bounded cache keeps
 registrations for the next send of the same memory, see

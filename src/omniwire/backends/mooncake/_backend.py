@@ -260,6 +260,9 @@ class MooncakeBackend(ByteBackend):
         localities=frozenset({Locality.SAME_HOST, Locality.CROSS_HOST}),
         progressive=True,
         zero_copy=True,
+        # an export's reference is (session, offset, length): any peer may read it, so a
+        # fan-out reads one packed buffer and Endpoint.empty() hands out pool slots
+        shared_refs=True,
         preference=60,
     )
 
