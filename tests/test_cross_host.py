@@ -155,3 +155,40 @@ async def _echo_lent(ep: Endpoint, peer: str, value: Any, rid: str) -> Any:
         d = await ep.receive()
         await receipt.wait()
         return d
+
+
+@pytest.mark.parametrize(
+    ("engine", "how"),
+    [("mooncake", {}), ("nixl", {"policy": PreferenceOrderPolicy(["nixl"])})],
+)
+def test_a_tensor_born_in_an_engines_pool_is_sent_in_place_to_another_host(
+    remote: tuple[PeerProcess, str], engine: str, how: dict[str, Any]
+) -> None:
+    """``Endpoint.empty()`` on a route through mooncake or nixl is a slot of the
+    engine's registered pool (``Capabilities.shared_refs``): each send of it, refilled
+    between sends, packs nothing and lends nothing, and the slot is freed on release."""
+    peer, tag = remote
+    ep = _source(f"src-{engine}-{tag}", peer, how)
+    with start_blocking_portal() as portal, portal.wrap_async_context_manager(ep):
+        portal.call(ep.wait_peer, peer.name, 60)
+        portal.call(_born_round_trips, ep, peer.name, engine)
+
+
+async def _born_round_trips(ep: Endpoint, peer: str, engine: str) -> None:
+    backend = ep.backend(engine)
+    buf = await ep.empty(peer, (1 << 16,), torch.float32)
+    assert buf.backend == engine
+    exports, packed = backend.stats().exports, ep.counters["bytes_packed"]
+    lent = backend.counters["lent"]
+    for i in range(3):
+        want = torch.arange(1 << 16, dtype=torch.float32) * (i + 1)
+        buf.tensor.copy_(want)
+        d = await _echo(ep, peer, {"h": buf.tensor}, f"born-{engine}-{i}")
+        assert d.backend == engine and torch.equal(d.payload["h"], want)
+        d.release()
+        await buf.settled(60)
+    assert backend.stats().exports == exports  # no slot packed for the sends
+    assert ep.counters["bytes_packed"] == packed
+    assert backend.counters["lent"] == lent
+    buf.release()
+    assert backend.stats().exports == exports - 1

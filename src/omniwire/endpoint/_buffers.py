@@ -5,8 +5,8 @@ Lifetime rules (README "Tensors born in transport memory"):
 - ``buf = await ep.empty(target, shape, dtype)`` gives a tensor (``buf.tensor``) in
   memory the route to ``target`` sends in place: a slot of the route's backend
   when it has ``Capabilities.shared_refs`` (this endpoint's shm arena on one host,
-  mooncake's registered pool), else ordinary memory that is *lent* to the engine
-  (nixl registers it once and reads it in place; ``lend=True`` is implied).
+  mooncake's or nixl's registered pool), else ordinary memory that is *lent* to the
+  engine (registered once and read in place; ``lend=True`` is implied).
 - Send the tensor itself (``send(target, buf.tensor)`` or a one-entry dict of it):
   the DataRef names the slot; nothing is copied on the sender. A payload with other
   tensors too, a view of part of it, or a route through another backend is packed

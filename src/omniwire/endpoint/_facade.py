@@ -314,9 +314,9 @@ class Endpoint(Receiving):
 
         On one host it is a slot of this endpoint's shm arena (the receiver's
         zero-copy delivery is a view of it, a copy-mode delivery one copy); through
-        mooncake a slot of its registered pool (read in place, nothing registered per
-        send); through another engine that reads lent memory in place (nixl) it is
-        ordinary memory, lent on every send. Send the tensor itself
+        mooncake or nixl a slot of the engine's registered pool (read in place,
+        nothing registered per send); through another engine that reads lent memory
+        in place it is ordinary memory, lent on every send. Send the tensor itself
         (``ep.send(target, buf.tensor, ...)``, or ``{"name": buf.tensor}``); write to it
         only when no send of it is in flight (``await buf.settled()``); give it back
         with ``buf.release()`` or use ``async with await ep.empty(...) as tensor:``.
@@ -371,7 +371,7 @@ class Endpoint(Receiving):
         A fan-out (``target`` a list of names) encodes the payload once and routes
         each target on its own: each gets its own route, credit and receipt
         (returned in target order). Targets on a backend that shares references
-        (``Capabilities.shared_refs``: shm, mooncake) read one buffer, packed once and
+        (``Capabilities.shared_refs``: shm, mooncake, nixl) read one buffer, packed once and
         released when the last of them acknowledges; other backends get one export
         per target.
 

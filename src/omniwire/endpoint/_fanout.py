@@ -3,7 +3,7 @@
 ``send([a, b, c], payload)`` encodes the payload and plans its layout once, then
 routes each target on its own: each gets its own route, credit, object id and
 receipt. Targets whose route is a backend with ``Capabilities.shared_refs`` (shm,
-mooncake) share one export — packed once, announced to each, released when the last of
+mooncake, nixl) share one export — packed once, announced to each, released when the last of
 them acknowledges (:class:`~._records.SharedExport`). Every other target gets an
 export of its own from the same encoding (``local`` hands each target its own
 containers, as for single sends). Shared objects are never announced in pieces.

@@ -28,6 +28,11 @@ backend's :class:`~omniwire.backends.support.Completions` thread, which wakes th
 loop when each ends: no worker thread has to be scheduled before the READ starts. The sender's agent is passive: it learns that
 the object was taken from omniwire's ACK, so reads carry no NIXL notification.
 
+**Shared references** (``Capabilities.shared_refs``): a reference names a pool and
+an offset (or a dedicated region with its metadata), which any peer may read: a
+fan-out to several nixl peers packs one slot they all read (freed with the last ACK),
+and ``Endpoint.empty()`` hands out a pool slot, sent in place with no registration.
+
 **Lent tensors** (``send(..., lend=True)``, CPU tensors, contiguous): no packing.
 The sender registers each tensor's storage with its agent (cached for the next
 send of the same memory) and announces each registration's partial metadata and

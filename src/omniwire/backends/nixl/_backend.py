@@ -99,6 +99,10 @@ class NixlBackend(ByteBackend):
         localities=frozenset({Locality.SAME_HOST, Locality.CROSS_HOST}),
         progressive=True,
         zero_copy=True,
+        # a reference names a pool and an offset (or a dedicated region with its
+        # metadata): any peer may read it, so a fan-out reads one packed buffer and
+        # Endpoint.empty() hands out pool slots
+        shared_refs=True,
         preference=50,
     )
 
