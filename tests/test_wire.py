@@ -224,6 +224,9 @@ def test_checked_entries_are_remembered_but_never_an_invalid_one() -> None:
     # long paths are checked every time, not remembered
     long = wire.TensorMeta(**{**good, "path": "p" * 300})  # type: ignore[arg-type]
     assert long not in _messages._VALID_METAS.keys
+    table = ((long,), 1024)
+    wire.InlineStreamChunkRef(tensors=table[0], data=bytes(1024))
+    assert table not in _messages._VALID_INLINE.keys
 
 
 def test_invalid_field_in_a_frame_names_the_field() -> None:

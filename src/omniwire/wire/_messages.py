@@ -129,6 +129,14 @@ class _Valid:
         self.keys: set[object] = set()
         self.limit = limit
 
+    def known(self, key: object) -> bool | None:
+        """True: passed before; False: not (yet); None: unhashable (a list built by
+        hand), so never remembered."""
+        try:
+            return key in self.keys
+        except TypeError:
+            return None
+
     def add(self, key: object) -> None:
         keys = self.keys
         if len(keys) >= self.limit:
@@ -139,8 +147,8 @@ class _Valid:
 _VALID_METAS = _Valid(4096)
 _VALID_INLINE = _Valid(1024)  # (tensor table, data length) of inline chunks
 #: Only small entries are remembered (what the memo holds stays within a few MiB):
-#: a tensor path of at most this many characters, an inline table of at most this
-#: many tensors.
+#: tensor paths of at most this many characters, inline tables of at most this many
+#: tensors.
 _MEMO_PATH = 256
 _MEMO_TENSORS = 16
 
@@ -156,14 +164,11 @@ class TensorMeta(_Base, frozen=True, kw_only=True):
     path: str = ""
 
     def __post_init__(self) -> None:
-        try:
-            if self in _VALID_METAS.keys:  # equal to one checked before: valid
-                return
-        except TypeError:  # built with an unhashable value (a list): checked, not kept
-            self._check()
+        known = _VALID_METAS.known(self)
+        if known:  # equal to one checked before: valid
             return
         self._check()
-        if len(self.path) <= _MEMO_PATH:
+        if known is False and len(self.path) <= _MEMO_PATH:
             _VALID_METAS.add(self)
 
     def _check(self) -> None:
@@ -283,15 +288,13 @@ class InlineStreamChunkRef(_Base, frozen=True, kw_only=True):
 
     def __post_init__(self) -> None:
         size = len(self.data)
+        small = len(self.tensors) <= _MEMO_TENSORS
         key = (self.tensors, size)
-        try:
-            if len(self.tensors) <= _MEMO_TENSORS and key in _VALID_INLINE.keys:
-                return  # the table of a chunk seen before, with as many bytes
-        except TypeError:  # built with an unhashable table (a list): checked, not kept
-            self._check(size)
+        known = _VALID_INLINE.known(key) if small else None
+        if known:  # the table of a chunk seen before, with as many bytes
             return
         self._check(size)
-        if len(self.tensors) <= _MEMO_TENSORS:
+        if known is False and all(len(t.path) <= _MEMO_PATH for t in self.tensors):
             _VALID_INLINE.add(key)
 
     def _check(self, size: int) -> None:
