@@ -408,7 +408,11 @@ class RegistrationCache(Generic[H]):
     unregistered (through ``releaser``, off the event loop).
 
     ``register(addr, nbytes, device)`` and ``unregister(handle)`` are the engine's
-    blocking calls (run in a worker thread and in ``releaser``). Not thread-safe:
+    blocking calls (run in a worker thread and in ``releaser``). A host storage of at
+    most ``inline_bytes`` is registered on the event loop instead, when the engine
+    says such a registration is cheap: mooncake's tcp transport takes 4–76 µs for
+    1–64 MiB, where the trip to a worker thread and back took 0.4–0.6 ms of a 1 MiB
+    send between two namespace hosts on 2 loaded cores (measured). Not thread-safe:
     use it from the event loop.
     """
 
@@ -420,8 +424,10 @@ class RegistrationCache(Generic[H]):
         *,
         max_entries: int = 64,
         max_bytes: int = 4 << 30,
+        inline_bytes: int = 0,
     ) -> None:
         self._register = register
+        self.inline_bytes = inline_bytes
         self._unregister = unregister
         self._releaser = releaser
         self.max_entries = max_entries
@@ -447,23 +453,32 @@ class RegistrationCache(Generic[H]):
         key = self.key(t)
         entry = self._entries.get(key)
         if entry is None:
-            async with self._lock:  # one registration of a storage at a time
-                entry = self._entries.get(key)
-                if entry is None:
-                    storage = t.untyped_storage()
-                    handle = await anyio.to_thread.run_sync(
-                        self._register, storage.data_ptr(), storage.nbytes(), t.device
-                    )
-                    entry = _Registration(handle, storage, storage.nbytes())
-                    self._entries[key] = entry
-                    self._bytes += entry.nbytes
-                    self.misses += 1
+            storage = t.untyped_storage()
+            if t.is_cpu and storage.nbytes() <= self.inline_bytes:
+                # no await between the lookup and the insert: nobody registers it twice
+                handle = self._register(storage.data_ptr(), storage.nbytes(), t.device)
+                entry = self._add(key, handle, storage)
+            else:
+                async with self._lock:  # one registration of a storage at a time
+                    entry = self._entries.get(key)
+                    if entry is None:
+                        handle = await anyio.to_thread.run_sync(
+                            self._register, storage.data_ptr(), storage.nbytes(), t.device
+                        )
+                        entry = self._add(key, handle, storage)
         else:
             self.hits += 1
         self._entries.move_to_end(key)
         entry.users += 1
         self._evict()
         return key, entry.handle
+
+    def _add(self, key: Hashable, handle: H, storage: torch.UntypedStorage) -> _Registration[H]:
+        entry = _Registration(handle, storage, storage.nbytes())
+        self._entries[key] = entry
+        self._bytes += entry.nbytes
+        self.misses += 1
+        return entry
 
     async def acquire_all(self, tensors: Sequence[torch.Tensor]) -> list[tuple[Hashable, H]]:
         """:meth:`acquire` each tensor's registration; on a failure, release those

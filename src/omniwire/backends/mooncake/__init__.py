@@ -75,7 +75,10 @@ empty: the engine discovers); ``host`` (the address peers reach this engine at;
 default: the host of the endpoint's address, 127.0.0.1 for ``ipc://`` and
 ``tcp://*``); ``pool_size`` (bytes, default 64 MiB); ``register_dest`` (above);
 ``recv_pool_idle`` (bytes of idle registered receive buffers kept, default 256 MiB;
-0: no registered receive pool);
+0: no registered receive pool); ``register_inline`` (bytes: a lent tensor's storage
+up to this size is registered on the event loop rather than in a worker thread;
+default 64 MiB on tcp, where that takes 4–76 µs against 0.4–0.6 ms for the thread
+hop on 2 loaded cores, and 0 on rdma, where registering pins pages);
 ``timeout`` (seconds a single read may take before it is abandoned; default 60,
 plus 1 s per 100 MB); ``engine`` (an :class:`Engine` object to use instead).
 

@@ -81,14 +81,17 @@ def new_pool(engine: Engine, releaser: Releaser) -> SlotPool[Registered]:
     )
 
 
-def registration_cache(engine: Engine, releaser: Releaser) -> RegistrationCache[int]:
-    """Registrations of lent tensors' storages (handle: the address)."""
+def registration_cache(
+    engine: Engine, releaser: Releaser, inline_bytes: int
+) -> RegistrationCache[int]:
+    """Registrations of lent tensors' storages (handle: the address); storages of at
+    most ``inline_bytes`` are registered on the event loop."""
 
     def register(addr: int, nbytes: int, device: torch.device) -> int:
         engine.register(addr, nbytes)
         return addr
 
-    return RegistrationCache(register, engine.unregister, releaser)
+    return RegistrationCache(register, engine.unregister, releaser, inline_bytes=inline_bytes)
 
 
 def recv_pool(engine: Engine, releaser: Releaser, max_idle_bytes: int) -> RegisteredRecvPool[int]:

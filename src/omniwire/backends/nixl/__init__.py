@@ -60,7 +60,9 @@ Options (``backend_options={"nixl": {...}}``): ``pool_size`` (bytes, default
 128 MiB), ``vram_pool_size`` (bytes, default 0), ``cuda_device`` (index, default
 the current device), ``register_dest_min`` (bytes, default 256 KiB),
 ``recv_pool_idle`` (bytes of idle registered receive buffers kept, default 256 MiB;
-0: none), ``timeout``
+0: none), ``register_inline`` (bytes: a lent host tensor's storage up to this size is
+registered on the event loop rather than in a worker thread, default 4 MiB; measured
+with UCX over tcp: ~50 µs for 1 MiB, ~200 µs for 16 MiB), ``timeout``
 (seconds one read may take, default 30 plus 1 s per 50 MB), ``agent_factory`` (a
 callable returning an :class:`Agent` for a name, instead of a NIXL agent).
 

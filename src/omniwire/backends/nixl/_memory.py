@@ -85,8 +85,11 @@ class LentRegistration:
         self.metadata = metadata
 
 
-def registration_cache(agent: Agent, releaser: Releaser) -> RegistrationCache[LentRegistration]:
-    """Registrations of lent tensors' storages, with their partial metadata."""
+def registration_cache(
+    agent: Agent, releaser: Releaser, inline_bytes: int
+) -> RegistrationCache[LentRegistration]:
+    """Registrations of lent tensors' storages, with their partial metadata; host
+    storages of at most ``inline_bytes`` are registered on the event loop."""
 
     def register(addr: int, nbytes: int, device: torch.device) -> LentRegistration:
         mem: Mem = "VRAM" if device.type == "cuda" else "DRAM"
@@ -101,7 +104,7 @@ def registration_cache(agent: Agent, releaser: Releaser) -> RegistrationCache[Le
     def unregister(lent: LentRegistration) -> None:
         agent.deregister(lent.registration)
 
-    return RegistrationCache(register, unregister, releaser)
+    return RegistrationCache(register, unregister, releaser, inline_bytes=inline_bytes)
 
 
 def recv_pool(
