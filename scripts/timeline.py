@@ -2,6 +2,7 @@
 hosts, beside the bare pieces between the same hosts (needs root).
 
     sudo python scripts/timeline.py [--backend mooncake] [--size 1M] [--count 40] [--lend]
+        [--hops] [--no-verify]
 
 Sends ``--count`` objects one after another (each awaited to its ACK) from host a
 to host b with ``tests/cluster_peer.py`` and prints the medians of: the ``send()``
@@ -9,6 +10,12 @@ call (pack and announce), send → the receiver's application has it, send → A
 back at the sender; beside a raw pyzmq one-way message between the same hosts
 (half a round trip) and the bare engine's transfer (``omniwire.rawbench``). The
 stamps are ``time.monotonic()``: one clock for every namespace of a kernel.
+
+``--hops`` runs both peers with ``OMNIWIRE_HOPS`` (:mod:`omniwire.hops`) and prints,
+per hop of an object, the median time from the sender's object path to it (each
+object's marks are those between its first mark and the next object's).
+``--no-verify``: the receiver does not compare the bytes (the comparison of object
+*i* runs while object *i+1* arrives, on the same 2 cores).
 """
 
 from __future__ import annotations
@@ -19,6 +26,9 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
+import threading
+from collections import defaultdict
 from pathlib import Path
 
 from omniwire.testing.cluster import Cluster, Host
@@ -49,9 +59,13 @@ def main() -> int:
     p.add_argument("--size", default="1M")
     p.add_argument("--count", type=int, default=40)
     p.add_argument("--lend", action="store_true")
+    p.add_argument("--hops", action="store_true", help="the median time to each hop")
+    p.add_argument("--no-verify", dest="verify", action="store_false")
     args = p.parse_args()
     size = int(args.size[:-1]) << {"K": 10, "M": 20}[args.size[-1]]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    hops_dir = tempfile.mkdtemp(prefix="omniwire-hops-") if args.hops else ""
+    peer_env = {**env, "OMNIWIRE_HOPS": hops_dir} if hops_dir else env
     with Cluster(["a", "b"], rate="40gbit") as cluster:
         a, b = cluster["a"], cluster["b"]
         # the control plane alone: a raw pyzmq message, a -> b
@@ -75,20 +89,25 @@ def main() -> int:
         common = ["--backends", f"local,shm,{args.backend}"]
         common += [] if args.backend == "mooncake" else ["--route", args.backend]
         recv = b.popen([*env_of(b), sys.executable, str(PEER), "recv", "--name", "r",
-                        "--address", f"tcp://{b.ip}:0", *common],
-                       stdout=subprocess.PIPE, text=True, env=env)  # fmt: skip
+                        "--address", f"tcp://{b.ip}:0", *common,
+                        *([] if args.verify else ["--no-verify"])],
+                       stdout=subprocess.PIPE, text=True, env=peer_env)  # fmt: skip
         assert recv.stdout is not None
         address = json.loads(recv.stdout.readline())["ready"]
         recv.stdout.readline()
+        got: list[str] = []  # read while it runs: a full pipe would stop the receiver
+        reader = threading.Thread(target=lambda: got.extend(recv.stdout or ()), daemon=True)
+        reader.start()
         sent = a.run([*env_of(a), sys.executable, str(PEER), "send", "--name", "s", "--address",
                       f"tcp://{a.ip}:0", "--peer", f"r={address}", "--size", str(size),
                       "--count", str(args.count), "--settle", "1", *common,
                       *(["--lend"] if args.lend else [])],
-                     capture_output=True, text=True, env=env, timeout=600)  # fmt: skip
+                     capture_output=True, text=True, env=peer_env, timeout=600)  # fmt: skip
         recv.terminate()
-        got, _ = recv.communicate(timeout=30)
+        recv.wait(30)
+        reader.join(30)
     lines = [json.loads(x) for x in sent.stdout.splitlines() if x.startswith("{")]
-    rlines = [json.loads(x) for x in got.splitlines() if x.startswith("{")]
+    rlines = [json.loads(x) for x in got if x.startswith("{")]
     skip = 3  # connecting, first touches
 
     def med(values: list[float]) -> float:
@@ -106,7 +125,44 @@ def main() -> int:
     print(f"  raw pyzmq one-way (half a round trip)  {zmq_oneway * 1e3:7.3f}")
     print(f"  fixed cost (ACK time - engine)         {acked - raw_s * 1e3:7.3f}  "
           f"= {raw_s * 1e3 / acked:.2f}x raw")  # fmt: skip
+    if hops_dir:
+        print_hops(hops_dir, skip)
     return 0
+
+
+def print_hops(directory: str, skip: int) -> None:
+    """The median time from each object's first mark (the sender's object path) to
+    each hop, in order; a hop marked several times per object is numbered."""
+    marks: list[tuple[float, str, str]] = []
+    sender = set()
+    for path in Path(directory).glob("hops-*.json"):
+        data = json.loads(path.read_text())
+        side = str(data["pid"])
+        for name, t in data["marks"]:
+            marks.append((t, name, side))
+            if name == "send: object path":
+                sender.add(side)
+    marks.sort()
+    starts = [t for t, name, _ in marks if name == "send: object path"]
+    per_hop: dict[str, list[float]] = defaultdict(list)
+    at = 0
+    for i, t0 in enumerate(starts):
+        end = starts[i + 1] if i + 1 < len(starts) else float("inf")
+        seen: dict[str, int] = defaultdict(int)
+        while at < len(marks) and marks[at][0] < end:
+            t, name, side = marks[at]
+            at += 1
+            if t < t0:
+                continue
+            label = f"{'a' if side in sender else 'b'}  {name}"
+            seen[label] += 1
+            if seen[label] > 1:
+                label = f"{label} #{seen[label]}"
+            if i >= skip:
+                per_hop[label].append((t - t0) * 1e3)
+    print("hops (a: sender, b: receiver), median ms after the sender's object path:")
+    for label, values in sorted(per_hop.items(), key=lambda kv: statistics.median(kv[1])):
+        print(f"  {statistics.median(values):7.3f}  {label}  ({len(values)} objects)")
 
 
 if __name__ == "__main__":

@@ -277,3 +277,58 @@ async def test_abort_metrics_name_the_connection_and_one_vocabulary_of_causes(
     for side in ("send", "receive"):
         labels = {"endpoint": "a", "side": side, "cause": "aborted"}
         assert value(samples, "omniwire_errors_total", **labels) == 1, (side, samples)
+
+
+_HOPS_SCRIPT = """
+import sys, anyio, torch
+from omniwire import Endpoint, hops
+async def main():
+    base = sys.argv[1]
+    async with Endpoint("b", address=base + "-b", backends=["shm"]) as b:
+        async with Endpoint("a", address=base + "-a", peers={"b": b.address},
+                            backends=["shm"], routes={"b": "shm"}) as a:
+            await a.wait_peer("b", 30)
+            r = await a.send("b", {"x": torch.ones(1 << 18)}, request_id="q")
+            (await b.receive(30)).release()
+            await r.wait(30)
+            assert hops.enabled()
+anyio.run(main)
+"""
+
+
+async def test_hop_marks_are_written_at_exit_with_the_variable_and_cost_nothing_without(
+    tmp_path: Path,
+) -> None:
+    """``OMNIWIRE_HOPS``: each hop of a backend object, in order, in one file per
+    process; without it ``mark`` is the empty function and nothing is kept."""
+    from omniwire import hops
+
+    assert not hops.enabled() and hops.mark is hops._off
+    hops.mark("anything")
+    assert hops._marks == []
+    out = tmp_path / "hops"
+    env = {**os.environ, "OMNIWIRE_HOPS": str(out)}
+    done = await anyio.to_thread.run_sync(
+        functools.partial(
+            subprocess.run,
+            [sys.executable, "-c", _HOPS_SCRIPT, addr("hops")],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    )
+    assert done.returncode == 0, done.stderr
+    (path,) = out.glob("hops-*.json")
+    names = [name for name, _ in json.loads(path.read_text())["marks"]]
+    want = [
+        "send: object path",
+        "send: export ready (packed or registered)",
+        "send: announced",
+        "recv: take begins",
+        "recv: imported, landing ready",
+        "recv: read and unpacked",
+        "recv: ACK posted",
+        "send: ACK in",
+    ]
+    assert [n for n in names if n in want] == want  # each once, in the order of the hops

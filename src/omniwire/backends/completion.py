@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol, TypeVar
 
+from .. import hops
 from ..errors import BackendClosedError, BackendError
 from .threads import Threads, settle, until_ended
 
@@ -399,6 +400,7 @@ class Completions:
                     self._watches.remove(w)  # before its waiter wakes: len() is current
                     if outcome is True:
                         self._pace.learn(w.nbytes, w.took_at_least())
+                    hops.mark("engine: transfer ended (completion thread)")
                     with contextlib.suppress(RuntimeError):  # its loop is closed
                         w.loop.call_soon_threadsafe(_settle, w, outcome)
                 if self._watches:

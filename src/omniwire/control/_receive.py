@@ -10,6 +10,7 @@ from typing import Any, cast
 import zmq
 import zmq.asyncio
 
+from .. import hops
 from ..errors import EndpointClosedError
 from ._sockets import Sockets, closed_error, fail_all
 
@@ -43,6 +44,7 @@ class Inbox:
             except zmq.ZMQError as exc:
                 raise EndpointClosedError(f"control plane is closed: {exc}") from exc
             if frames:
+                hops.mark("frames in")
                 return frames
             await self._readable(pull)
 

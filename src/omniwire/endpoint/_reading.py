@@ -12,7 +12,7 @@ from typing import Any
 import anyio
 import torch
 
-from .. import codec, packing, wire
+from .. import codec, hops, packing, wire
 from ..backends.base import THREAD_COPY_THRESHOLD, BackendBase, ByteBackend, ObjectBackend
 from ..digest import digest_of_async
 from ..errors import (
@@ -137,6 +137,7 @@ class ObjectReader:
                 tensors = [t.clone() for t in tensors]
         else:
             dest = None if zero_copy else await self._landing(backend, imp.buffer, length)
+            hops.mark("recv: imported, landing ready")
             if dest is not None:
                 self.core.counters["bytes_copied"] += length
             done = 0

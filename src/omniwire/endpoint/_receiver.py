@@ -22,7 +22,7 @@ from typing import Any
 import anyio
 import torch
 
-from .. import codec, packing, wire
+from .. import codec, hops, packing, wire
 from ..backends.base import ObjectBackend
 from ..delivery import Delivery, DeliveryKind
 from ..errors import (
@@ -378,6 +378,7 @@ class Receiver:
         self._deliver(_data(peer, msg, inline.kind, value, metadata, "inline", nbytes))
 
     async def _take_object(self, peer: Peer, record: InRecord, metadata: Any) -> None:
+        hops.mark("recv: take begins")
         msg, ref = record.msg, record.ref
         backend = self.core.backends.get(ref.backend)
         info = peer.info.get(ref.backend)
@@ -435,6 +436,7 @@ class Receiver:
             self.finish(peer, record, *failure)
             self._deliver(_error(peer, msg, failure[1], metadata, ref.backend))
             return
+        hops.mark("recv: read and unpacked")
         delivery = _data(peer, msg, ref.kind, value, metadata, ref.backend, ref.ref.length)
         delivery._budget = share.bytes
         if zero_copy and not isinstance(backend, ObjectBackend):
@@ -488,6 +490,7 @@ class Receiver:
         )
         core.counters["acks_sent" if reason is None else "nacks_sent"] += 1
         core.outbox.post(peer, msg)
+        hops.mark("recv: ACK posted")
 
     def _released(self, peer: Peer, record: InRecord) -> None:
         """A zero-copy delivery was released (from any thread)."""

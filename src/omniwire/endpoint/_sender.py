@@ -21,7 +21,7 @@ import anyio
 import msgspec
 import torch
 
-from .. import codec, hostinfo, packing, wire
+from .. import codec, hops, hostinfo, packing, wire
 from ..backends.base import ByteBackend, ObjectBackend
 from ..delivery import SendReceipt
 from ..digest import digest_of_async
@@ -484,6 +484,7 @@ class Sender:
         traceparent: str,
         shared: SharedExport | None,
     ) -> SendReceipt:
+        hops.mark("send: object path")
         core = self.core
         backend = core.backends[route.backend]
         info = self.peers.connected_backend(peer, route.backend)
@@ -516,6 +517,7 @@ class Sender:
                 record.export = shared.share()
                 points = [nbytes]
             assert record.export is not None
+            hops.mark("send: export ready (packed or registered)")
             digest = None
             hello = peer.hello
             if core.config.digest and record.export.layout != "object" and hello is not None:
@@ -556,6 +558,7 @@ class Sender:
                         record.deadline = time.monotonic() + core.config.ack_timeout
                         core.outbox.post(peer, msg, charge)
                         posted = True
+                        hops.mark("send: announced")
                     finally:
                         if not posted:
                             peer.session.forget_outbound(record.object_id)
@@ -607,6 +610,7 @@ class Sender:
     # -- what comes back ---------------------------------------------------------------------
 
     def on_ack(self, peer: Peer, msg: wire.DataAckMessage) -> None:
+        hops.mark("send: ACK in")
         record = peer.session.on_ack(msg)  # RemoteProtocolError if not in flight to it
         peer.ack_timeouts = 0
         if msg.success:

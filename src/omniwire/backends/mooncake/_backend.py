@@ -9,6 +9,7 @@ from typing import ClassVar, Literal
 import anyio
 import torch
 
+from ... import hops
 from ...errors import BackendClosedError, BackendError
 from ..base import (
     Availability,
@@ -180,6 +181,7 @@ class _Import(Import):
             nonlocal submitted
             if register:
                 engine.register(local + lo, hi - lo)
+            hops.mark("engine: submit (worker thread)")
             try:
                 batch = submit(engine, session, reads, timeout)
                 submitted = True
@@ -212,6 +214,7 @@ class _Import(Import):
                     )
                     raise
             ended = True
+            hops.mark("engine: back on the loop")
             batch.check()
         except (TransferTimeoutError, TransferAbandonedError) as exc:
             if dest is not None:

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 import anyio
 import torch
 
+from ... import hops
 from ...errors import BackendError
 from ..base import Import, PeerInfo, copy_range
 from ..pool import Lease
@@ -185,10 +186,13 @@ class SpanImport(Import):
         remote.active += 1
         try:
             if on_loop:
+                hops.mark("engine: submit (event loop)")
                 await run_now()
             else:
+                hops.mark("engine: submit and wait (worker thread)")
                 await anyio.to_thread.run_sync(run)
                 remote.opened = True
+            hops.mark("engine: back on the loop")
         except BackendError as exc:
             error = exc
         finally:
