@@ -255,6 +255,40 @@ async def test_small_host_storages_register_on_the_loop_and_large_ones_in_a_thre
     releaser.stop()
 
 
+@pytest.mark.asyncio
+async def test_an_evicted_registrations_memory_lives_until_it_is_unregistered() -> None:
+    """The engine refuses a registration that overlaps a live one (mooncake: "does
+    not support overlapped memory region", code -7). An evicted registration is
+    unregistered later, in the releaser's thread: if its memory were freed at the
+    eviction, a new tensor could be allocated there and its registration refused
+    (seen: a lent 1 MiB send failed). The memory must stay alive until then."""
+    import weakref
+
+    releaser = Releaser("test-evict")
+    go = threading.Event()
+    unregistered: list[int] = []
+
+    def unregister(handle: int) -> None:
+        go.wait(10)  # the releaser is busy: the unregister runs late
+        unregistered.append(handle)
+
+    cache = RegistrationCache(
+        lambda addr, n, device: addr, unregister, releaser, max_entries=1, inline_bytes=1 << 20
+    )
+    first = torch.ones(1 << 10, dtype=torch.uint8)
+    storage = weakref.ref(first.untyped_storage())
+    key, _ = await cache.acquire(first)
+    cache.release(key)
+    key2, _ = await cache.acquire(torch.ones(1 << 10, dtype=torch.uint8))  # evicts ``first``
+    del first
+    assert storage() is not None and not unregistered  # not unregistered yet: still alive
+    go.set()
+    assert releaser.wait_idle(5) and len(unregistered) == 1
+    assert storage() is None  # unregistered, then freed
+    cache.release(key2)
+    releaser.stop()
+
+
 def test_host_memory_and_ranges() -> None:
     m = HostMemory(1 << 16)
     m.tensor[:4] = torch.tensor([1, 2, 3, 4], dtype=torch.uint8)

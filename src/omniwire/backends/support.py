@@ -435,6 +435,8 @@ class RegistrationCache(Generic[H]):
         self._entries: OrderedDict[Hashable, _Registration[H]] = OrderedDict()
         self._bytes = 0
         self._lock = anyio.Lock()
+        #: Memory of registrations the engine failed to unregister (never reused).
+        self._stuck: list[torch.UntypedStorage | None] = []
         self.hits = 0
         self.misses = 0
 
@@ -515,8 +517,20 @@ class RegistrationCache(Generic[H]):
             del self._entries[key]
             self._bytes -= entry.nbytes
             over -= 1
-            entry.storage = None
-            self._releaser.submit(self._unregister, entry.handle)
+            storage, entry.storage = entry.storage, None
+            # the memory stays alive until it is unregistered: freed now, it could be
+            # allocated to a new tensor whose registration the engine would refuse
+            # (an overlap with one not unregistered yet)
+            self._releaser.submit(self._unregister_then_free, entry.handle, storage)
+
+    def _unregister_then_free(self, handle: H, storage: torch.UntypedStorage | None) -> None:
+        """In the releaser's thread; ``storage`` is dropped after this returns (or kept
+        for good when the engine could not unregister it: it may still hold it)."""
+        try:
+            self._unregister(handle)
+        except BaseException:
+            self._stuck.append(storage)
+            raise
 
     def clear(self) -> list[H]:
         """Forget every registration; returns their handles (the caller unregisters)."""
