@@ -2,7 +2,7 @@
 hosts, beside the bare pieces between the same hosts (needs root).
 
     sudo python scripts/timeline.py [--backend mooncake] [--size 1M] [--count 40] [--lend]
-        [--hops] [--no-verify]
+        [--hops] [--no-verify] [--reuse]
 
 Sends ``--count`` objects one after another (each awaited to its ACK) from host a
 to host b with ``tests/cluster_peer.py`` and prints the medians of: the ``send()``
@@ -15,7 +15,9 @@ stamps are ``time.monotonic()``: one clock for every namespace of a kernel.
 per hop of an object, the median time from the sender's object path to it (each
 object's marks are those between its first mark and the next object's).
 ``--no-verify``: the receiver does not compare the bytes (the comparison of object
-*i* runs while object *i+1* arrives, on the same 2 cores).
+*i* runs while object *i+1* arrives, on the same 2 cores). ``--reuse``: one send
+buffer, refilled for each object (a lent buffer is then registered once, as in
+``omniwire bench``); without it each object is a fresh tensor.
 """
 
 from __future__ import annotations
@@ -61,6 +63,7 @@ def main() -> int:
     p.add_argument("--lend", action="store_true")
     p.add_argument("--hops", action="store_true", help="the median time to each hop")
     p.add_argument("--no-verify", dest="verify", action="store_false")
+    p.add_argument("--reuse", action="store_true", help="one send buffer (lent: registered once)")
     args = p.parse_args()
     size = int(args.size[:-1]) << {"K": 10, "M": 20}[args.size[-1]]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -101,7 +104,7 @@ def main() -> int:
         sent = a.run([*env_of(a), sys.executable, str(PEER), "send", "--name", "s", "--address",
                       f"tcp://{a.ip}:0", "--peer", f"r={address}", "--size", str(size),
                       "--count", str(args.count), "--settle", "1", *common,
-                      *(["--lend"] if args.lend else [])],
+                      *(["--lend"] if args.lend else []), *(["--reuse"] if args.reuse else [])],
                      capture_output=True, text=True, env=peer_env, timeout=600)  # fmt: skip
         recv.terminate()
         recv.wait(30)

@@ -105,9 +105,11 @@ async def send(args: argparse.Namespace) -> int:
         await ep.wait_peer(peer, 30)
         say(ready=True)
         stream = 0
+        reused = torch.empty(args.size // 8, dtype=torch.int64)
         for i in range(args.count):
             rid = f"s{stream}" if args.stream else f"p{i}"
-            tensor = pattern(i, args.size)
+            # --reuse: one buffer, refilled once the last send of it completed
+            tensor = reused.copy_(pattern(i, args.size)) if args.reuse else pattern(i, args.size)
             started = time.monotonic()
             meta = {"i": i, "t0": started}
             try:
@@ -167,6 +169,7 @@ def main() -> int:
     p.add_argument("--settle", type=float, default=10.0)
     p.add_argument("--digest", action="store_true", help="Endpoint(digest=True)")
     p.add_argument("--lend", action="store_true", help="send(..., lend=True)")
+    p.add_argument("--reuse", action="store_true", help="send: one buffer for every object")
     p.add_argument(
         "--no-verify", dest="verify", action="store_false", help="recv: do not compare the bytes"
     )
