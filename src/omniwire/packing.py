@@ -16,7 +16,7 @@ from __future__ import annotations
 import collections
 import ctypes
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Final
 
 import msgspec
@@ -187,13 +187,16 @@ def pack_bytes(tensors: Sequence[torch.Tensor], layout: PackPlan) -> bytes:
     padding is zero)."""
     if len(tensors) == 1 and layout.nbytes:  # at offset 0, no padding: the common case
         t = tensors[0]
-        # numpy writes C order whatever the strides, at half the cost of the checks and
-        # ctypes call below; what it refuses is not tried (torch's refusal costs 18 µs)
-        if t.dtype in _NUMPY_TORCH and t.is_cpu and not t.requires_grad and holds_its_values(t):
-            try:
-                return t.numpy().tobytes()
-            except RuntimeError:
-                pass  # a lazily negated view
+        if t.is_cpu and holds_its_values(t):
+            if t.is_contiguous():  # the bytes as they lie, any dtype (0.55 µs less than numpy)
+                return ctypes.string_at(t.data_ptr(), layout.nbytes)
+            # numpy writes C order whatever the strides, at half the cost of the generic
+            # path below; what it refuses is not tried (torch's refusal costs 18 µs)
+            if t.dtype in _NUMPY_TORCH and not t.requires_grad:
+                try:
+                    return t.numpy().tobytes()
+                except RuntimeError:
+                    pass
     parts: list[bytes] = []
     at = 0
     for t, meta in zip(tensors, layout.metas, strict=True):
@@ -229,8 +232,11 @@ def resolved(t: torch.Tensor) -> torch.Tensor:
 
 
 def _is_zero(t: torch.Tensor) -> bool:
-    is_zero = getattr(t, "_is_zerotensor", None)  # torch's lazy zeros, where it has them
-    return bool(is_zero()) if is_zero is not None else False
+    """Whether ``t`` is one of torch's lazy zeros (where this torch has them)."""
+    return _IS_ZERO is not None and bool(_IS_ZERO(t))
+
+
+_IS_ZERO: Callable[[torch.Tensor], bool] | None = getattr(torch.Tensor, "_is_zerotensor", None)
 
 
 def as_byte_tensor(buffer: torch.Tensor | memoryview | bytearray) -> torch.Tensor:
