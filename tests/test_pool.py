@@ -228,7 +228,7 @@ async def test_registration_cache_reuses_bounds_and_unregisters() -> None:
     assert releaser.wait_idle(5)
     assert unregistered == [h0] and len(cache) == 2  # the least recently used, unused one
     cache.release(k2)
-    assert sorted(cache.clear()) == sorted(a for a, _ in registered[1:])
+    assert sorted(h for h, _ in cache.clear()) == sorted(a for a, _ in registered[1:])
     releaser.stop()
 
 
@@ -286,6 +286,31 @@ async def test_an_evicted_registrations_memory_lives_until_it_is_unregistered() 
     assert releaser.wait_idle(5) and len(unregistered) == 1
     assert storage() is None  # unregistered, then freed
     cache.release(key2)
+    releaser.stop()
+
+
+@pytest.mark.asyncio
+async def test_cleared_registrations_keep_their_memory_until_the_caller_unregisters() -> None:
+    """At close the cache is cleared and the backend unregisters what it held, later,
+    in a worker thread: memory freed at the clear could be allocated to a new tensor
+    meanwhile and refused as an overlap by the engine (shared by the process's
+    backends). What ``clear`` returns keeps each registration's memory alive."""
+    import weakref
+
+    releaser = Releaser("test-clear")
+    cache = RegistrationCache(
+        lambda addr, n, device: addr, lambda handle: None, releaser, inline_bytes=1 << 20
+    )
+    t = torch.ones(1 << 10, dtype=torch.uint8)
+    storage = weakref.ref(t.untyped_storage())
+    key, handle = await cache.acquire(t)
+    cache.release(key)
+    del t
+    retired = cache.clear()
+    assert len(cache) == 0 and [h for h, _ in retired] == [handle]
+    assert storage() is not None  # not unregistered yet: still alive
+    del retired  # the caller unregistered it
+    assert storage() is None
     releaser.stop()
 
 

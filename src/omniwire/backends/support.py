@@ -532,14 +532,14 @@ class RegistrationCache(Generic[H]):
             self._stuck.append(storage)
             raise
 
-    def clear(self) -> list[H]:
-        """Forget every registration; returns their handles (the caller unregisters)."""
-        handles = [e.handle for e in self._entries.values()]
-        for e in self._entries.values():
-            e.storage = None
+    def clear(self) -> list[tuple[H, torch.UntypedStorage | None]]:
+        """Forget every registration; returns each handle with the storage it keeps
+        alive. The caller unregisters the handles, then drops the list: freed before,
+        the memory could go to a new tensor whose registration the engine refuses."""
+        retired = [(e.handle, e.storage) for e in self._entries.values()]
         self._entries.clear()
         self._bytes = 0
-        return handles
+        return retired
 
     def __len__(self) -> int:
         return len(self._entries)

@@ -143,6 +143,8 @@ class _CpuPerMessage:
     def __init__(self, pair: Pair) -> None:
         self.pids = {"omniwire": (os.getpid(), pair.peer_pid), "raw": (os.getpid(), pair.raw.pid)}
         self.rounds: dict[str, list[float]] = {"omniwire": [], "raw": []}
+        #: each round's A and B apart: which side a difference is on
+        self.sides: dict[str, list[tuple[float, float]]] = {"omniwire": [], "raw": []}
         self._started: dict[str, tuple[float, float]] = {}
 
     def _now(self, side: str) -> tuple[float, float]:
@@ -158,6 +160,18 @@ class _CpuPerMessage:
         a0, b0 = self._started[side]
         a1, b1 = self._now(side)
         self.rounds[side].append(((a1 - a0) + (b1 - b0)) / n)
+        self.sides[side].append(((a1 - a0) / n, (b1 - b0) / n))
+
+    def split(self) -> dict[str, dict[str, float]]:
+        """Median CPU µs per message of A (the sender) and of B, per side."""
+        return {
+            side: {
+                "a_us": statistics.median(a for a, _ in rounds) * 1e6,
+                "b_us": statistics.median(b for _, b in rounds) * 1e6,
+            }
+            for side, rounds in self.sides.items()
+            if rounds
+        }
 
     def figure(self) -> Figure:
         ours, raw = self.rounds["omniwire"], self.rounds["raw"]
@@ -245,6 +259,7 @@ async def echo(pair: Pair, counts: Counts) -> Scenario:
         {
             "bytes": 1024,
             "rounds": counts.rounds,
+            "cpu_per_msg_by_process": cpu.split(),
             "round_trips_per_round": n,
             "carried_by": carried,
             "ratio_per_round": [x / y for x, y in per_round],
@@ -319,6 +334,7 @@ async def stream(pair: Pair, counts: Counts) -> Scenario:
         {
             "bytes": 1024,
             "rounds": counts.rounds,
+            "cpu_per_msg_by_process": cpu.split(),
             "messages_per_round": n,
             "carried_by": carried,
             "ratio_per_round": [x / y for x, y in zip(a, b, strict=True)],

@@ -413,7 +413,8 @@ class MooncakeBackend(ByteBackend):
         engine, self._engine = self._engine, None
         if self._pool is not None:
             await self._pool.aclose()
-        cached = self._registrations.clear() if self._registrations is not None else []
+        retired = self._registrations.clear() if self._registrations is not None else []
+        cached = [addr for addr, _ in retired]
         cached += [addr for _, addr in self._abandoned if addr is not None]
         recv, self._recv_pool = self._recv_pool, None
         if recv is not None:
@@ -436,6 +437,7 @@ class MooncakeBackend(ByteBackend):
                 region.release()
             if recv is not None:
                 recv.clear()
+            retired.clear()  # unregistered: the lent tensors' memory may go now
 
         await anyio.to_thread.run_sync(teardown)
         self._abandoned.clear()

@@ -296,8 +296,9 @@ class NixlBackend(ByteBackend):
                 return
             for remote in remotes:
                 agent.unload(remote.agent)
-            for lent in cached:
+            for lent, _ in cached:
                 agent.deregister(lent.registration)
+            cached.clear()  # deregistered: the lent tensors' memory may go now
             for registration in received:
                 agent.deregister(registration)
             if recv is not None:
