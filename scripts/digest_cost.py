@@ -1,7 +1,7 @@
 """The cost of ``Endpoint(digest=True)``: one-way send → ACK of 64 MiB objects over
 mooncake between two namespace hosts, with and without the digest (needs root).
 
-    sudo python scripts/digest_cost.py [--size 64M] [--count 8]
+    sudo python scripts/digest_cost.py [--size 67108864] [--count 8]
 
 Prints the median one-way time of each and the hash alone (``digest_of``).
 """
