@@ -949,3 +949,48 @@ async def test_the_pull_sockets_fd_stays_registered_and_does_not_spin_when_idle(
     assert registered == []  # 50 waits, no new registration
     assert busy >= 1  # the messages came through the watched FD
     assert idle <= 5, f"the FD callback ran {idle} times in 0.5 s of idle"
+
+
+@pytest.mark.asyncio
+async def test_frames_arriving_while_recv_many_waits_are_applied_in_the_reader_callback(
+    short_dir: str,
+) -> None:
+    """With ``apply``, a frame that arrives while ``recv_many`` waits is applied in
+    the socket's reader callback (not in the waiting task, a turn of the event loop
+    later) and the call goes on waiting; a frame ``apply`` leaves is returned."""
+    a = ControlPlane(f"ipc://{short_dir}/a")
+    b = ControlPlane(f"ipc://{short_dir}/b")
+    await a.start()
+    await b.start()
+    applied: list[tuple[bytes, bool]] = []  # (frame, applied inside a task)
+
+    def apply(frames: list[bytes]) -> list[bytes]:
+        for i, f in enumerate(frames):
+            if f == b"leave":
+                return frames[i:]
+            applied.append((f, asyncio.current_task() is not None))
+        return []
+
+    try:
+        a.connect("b", b.address)
+        got: list[list[bytes]] = []
+
+        async def waiter() -> None:
+            got.append(await b.recv_many(64, apply))
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(waiter)
+            await anyio.sleep(0.05)  # it waits
+            for f in (b"one", b"two", b"three"):
+                await a.send("b", f)
+            with anyio.fail_after(10):
+                while len(applied) < 3:
+                    await anyio.sleep(0.01)
+            await anyio.sleep(0.05)
+            assert not got  # all were applied: it still waits
+            await a.send("b", b"leave")
+        assert applied == [(b"one", False), (b"two", False), (b"three", False)]
+        assert got == [[b"leave"]]
+    finally:
+        a.close()
+        b.close()

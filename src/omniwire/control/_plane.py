@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 import os
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import zmq
 import zmq.asyncio
@@ -312,17 +312,27 @@ class ControlPlane:
             if frames:
                 return frames[0]
 
-    async def recv_many(self, limit: int = 512) -> list[bytes]:
+    async def recv_many(
+        self, limit: int = 512, apply: Callable[[list[bytes]], list[bytes]] | None = None
+    ) -> list[bytes]:
         """Every frame queued at this endpoint's PULL socket (1 to ``limit``), waiting
         for one if none is. The socket's file descriptor is watched by the event loop
         only while nothing is queued: a busy endpoint pays no wake-up per frame.
+
+        ``apply``: while this call waits, frames that arrive are passed to
+        ``apply(frames)`` in the socket's reader callback (at most ``limit`` at a
+        time, in order), which returns those it did not take; this call returns
+        those. When ``apply`` took all, this call goes on waiting; after a full
+        ``limit`` more may be queued, and the waiting task takes them a turn of the
+        event loop later (one callback's work stays bounded). ``apply`` must not
+        block.
 
         Raises:
             EndpointNotStartedError / EndpointClosedError: not started, or closed
                 (also while waiting).
         """
         self._sockets.check_open()
-        return await self._inbox.recv_many(limit)
+        return await self._inbox.recv_many(limit, apply)
 
     async def recv_abort(self) -> bytes:
         """The next abort frame any peer published.

@@ -1,10 +1,17 @@
 """Frames in: the bound PULL socket, drained in batches with its file descriptor
-watched directly, and the reads pending on the plane's sockets."""
+watched directly, and the reads pending on the plane's sockets.
+
+A caller of ``recv_many`` may pass ``apply``: frames that arrive while it waits are
+then handed to ``apply`` right in the socket's reader callback, and the waiting task
+is woken only for what ``apply`` left (or when more may be queued than one callback
+takes). An idle endpoint so takes a frame in one turn of the event loop, not two:
+the callback, then the waiting task."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Callable
 from typing import Any, cast
 
 import zmq
@@ -30,23 +37,42 @@ class Inbox:
         #: (registering and unregistering it per wait cost ~10 µs): (loop, fd, socket).
         self._watch: tuple[asyncio.AbstractEventLoop, int, zmq.asyncio.Socket] | None = None
         self._waiter: asyncio.Future[None] | None = None  # the recv_many waiting, if any
+        #: While a recv_many with ``apply`` waits: ``apply`` and its ``limit``.
+        self._apply: tuple[Callable[[list[bytes]], list[bytes]], int] | None = None
+        self._left: list[bytes] = []  # frames ``apply`` left, for the waiting recv_many
 
-    async def recv_many(self, limit: int) -> list[bytes]:
+    async def recv_many(
+        self, limit: int, apply: Callable[[list[bytes]], list[bytes]] | None = None
+    ) -> list[bytes]:
         pull = self.pull
         assert pull is not None
         while True:
-            frames: list[bytes] = []
-            try:
-                while len(frames) < limit:
-                    frames.append(zmq.Socket.recv(pull, zmq.DONTWAIT))
-            except zmq.Again:
-                pass
-            except zmq.ZMQError as exc:
-                raise EndpointClosedError(f"control plane is closed: {exc}") from exc
-            if frames:
-                hops.mark("frames in")
+            if self._left:
+                frames, self._left = self._left, []
                 return frames
-            await self._readable(pull)
+            frames = self._drain(pull, limit)
+            if frames:
+                return frames
+            self._apply = None if apply is None else (apply, limit)
+            try:
+                await self._readable(pull)
+            finally:
+                self._apply = None
+
+    @staticmethod
+    def _drain(pull: zmq.asyncio.Socket, limit: int) -> list[bytes]:
+        """Up to ``limit`` frames queued at ``pull``, without waiting."""
+        frames: list[bytes] = []
+        try:
+            while len(frames) < limit:
+                frames.append(zmq.Socket.recv(pull, zmq.DONTWAIT))
+        except zmq.Again:
+            pass
+        except zmq.ZMQError as exc:
+            raise EndpointClosedError(f"control plane is closed: {exc}") from exc
+        if frames:
+            hops.mark("frames in")
+        return frames
 
     async def _readable(self, sock: zmq.asyncio.Socket) -> None:
         """Wait until ``sock`` has a frame (its FD signals, ZMQ_EVENTS says POLLIN)."""
@@ -81,7 +107,20 @@ class Inbox:
             if fut is not None and not fut.done():
                 fut.set_exception(EndpointClosedError(f"control plane is closed: {exc}"))
             return
-        if ready and fut is not None and not fut.done():
+        if not ready or fut is None or fut.done():
+            return
+        if self._apply is None:
+            fut.set_result(None)
+            return
+        apply, limit = self._apply
+        try:
+            frames = self._drain(watch[2], limit)
+            left = apply(frames) if frames else []
+        except BaseException as exc:  # closed meanwhile; or a bug: the waiter raises it
+            fut.set_exception(exc)
+            return
+        if left or len(frames) == limit:  # what apply left, or maybe more queued
+            self._left = left
             fut.set_result(None)
 
     def _unwatch(self) -> None:

@@ -7,9 +7,11 @@ bounded rate, and dropped; the loop goes on with the next frame.
 Bounded work per turn: the control loop gives the event loop a turn after
 ``_TURN_MESSAGES`` messages or ``_TURN_SECONDS`` of applying frames, so a backlog
 of one peer (100,000 requests in a hundred frames) holds the application, the
-other peers' ACKs and liveness for milliseconds, not seconds. A frame over 1 MiB
-(up to 65,536 tensor table entries per DataRef, each validated in Python) is
-decoded in a worker thread, so its decode does not hold the event loop either.
+other peers' ACKs and liveness for milliseconds, not seconds. The same budget bounds
+what the PULL socket's reader callback applies while the control loop waits. A
+frame over 1 MiB (up to 65,536 tensor table entries per DataRef, each validated in
+Python) is decoded in a worker thread, so its decode does not hold the event loop
+either.
 """
 
 from __future__ import annotations
@@ -68,16 +70,18 @@ class Dispatcher:
         self.sender = sender
         self.receiver = receiver
         self.applied = 0  # messages applied since the control loop's last turn
+        self._turn_started = time.monotonic()
         self.name = core.name
 
     async def control_loop(self) -> None:
         """Frames from every peer's PUSH into our PULL, with a turn of the event loop
-        after a bounded amount of work (see the module docstring)."""
+        after a bounded amount of work (see the module docstring). While it waits,
+        frames are applied as they arrive, in the socket's reader callback
+        (:meth:`_apply_arrived`): one turn of the event loop per frame, not two."""
         control, receiver = self.core.control, self.receiver
-        started = time.monotonic()
         while True:
             try:
-                frames = await control.recv_many(_RECV_FRAMES)
+                frames = await control.recv_many(_RECV_FRAMES, self._apply_arrived)
             except EndpointClosedError:
                 return
             for frame in frames:
@@ -88,10 +92,35 @@ class Dispatcher:
                 for peer in takeable:
                     if receiver.pump(peer):
                         await receiver.take_head(peer)
-                if self.applied >= _TURN_MESSAGES or time.monotonic() - started > _TURN_SECONDS:
+                if self._turn_spent():
                     await asyncio.sleep(0)
-                    self.applied = 0
-                    started = time.monotonic()
+                    self._new_turn()
+
+    def _apply_arrived(self, frames: list[bytes]) -> list[bytes]:
+        """(the PULL socket's reader callback, while the control loop waits) Apply
+        ``frames`` now, within one turn's budget; returns those left to the control
+        loop: the rest once the budget is spent, and from the first frame too large
+        to decode on the loop on."""
+        self._new_turn()
+        receiver = self.receiver
+        for i, frame in enumerate(frames):
+            if len(frame) > _THREAD_DECODE:
+                return frames[i:]
+            for peer in self.on_frame(frame, abort_channel=False):
+                if receiver.pump(peer):
+                    receiver.start_worker(peer)  # no await here: its worker takes it
+            if self._turn_spent():
+                return frames[i + 1 :]
+        return []
+
+    def _new_turn(self) -> None:
+        self.applied = 0
+        self._turn_started = time.monotonic()
+
+    def _turn_spent(self) -> bool:
+        return (
+            self.applied >= _TURN_MESSAGES or time.monotonic() - self._turn_started > _TURN_SECONDS
+        )
 
     def start_ring(self, peer: Peer, reader: RingReader, generation: int) -> None:
         """Read ``peer``'s frames from its ring from now on (spec §3.6): each wake-up of
