@@ -151,6 +151,11 @@ def test_scenarios_smoke_json_and_plot(
     assert len(s["echo"]["figures"]["p50"]["omniwire_per_round"]) == 1
     assert s["stream"]["params"]["messages_per_round"] == 5
     assert s["stream"]["figures"]["msgs/s"]["targets"][0]["limit"] == 1.0
+    for name in ("echo", "stream"):  # CPU per message of each process, apart
+        split = s[name]["params"]["cpu_per_msg_by_process"]
+        assert set(split) == {"omniwire", "raw"}
+        assert all(side["a_us"] > 0 and side["b_us"] > 0 for side in split.values())
+        assert f"cpu/msg by process ({name};" in text
     assert s["mix"]["params"]["streams"] == 3 and s["mix"]["params"]["chunks_per_stream"] == 4
     assert set(s["mix"]["figures"]) >= {"msgs/s", "latency p99"}
     assert set(s["shm"]["figures"]) == {"copy", "zero-copy"}

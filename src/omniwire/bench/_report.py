@@ -82,6 +82,15 @@ def _scenarios(results: Results) -> Iterator[str]:
             carried.append(f"{s.name}: " + ", ".join(f"{k} {v}" for k, v in by.items()))
     if carried:
         yield "  carried by: " + "; ".join(carried)
+    for s in results.scenarios.values():
+        split = s.params.get("cpu_per_msg_by_process")
+        if isinstance(split, dict) and {"omniwire", "raw"} <= split.keys():
+            ours, raw = split["omniwire"], split["raw"]
+            yield (
+                f"  cpu/msg by process ({s.name}; A this one, B the peer): omniwire "
+                f"A {ours['a_us']:.1f} + B {ours['b_us']:.1f} µs, raw "
+                f"A {raw['a_us']:.1f} + B {raw['b_us']:.1f} µs"
+            )
     idle = results.scenarios.get("idle")
     if idle is not None:
         share = idle.params.get("self_cpu_share")
