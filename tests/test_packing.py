@@ -293,13 +293,13 @@ def test_the_plan_cache_keeps_the_latest_shapes_and_drops_the_oldest() -> None:
     """A stream of varying sizes (more shapes than the cache holds) gets a correct
     plan every time; the latest shapes' plans are reused, the oldest are dropped one
     at a time (not all at once)."""
-    n = packing._PLANS_MAX + 10
+    n = packing.PLANS_MAX + 10
     tensors = [torch.ones(i + 1, dtype=torch.uint8) for i in range(n)]
     plans = [packing.plan([t]) for t in tensors]
     assert [p.nbytes for p in plans] == list(range(1, n + 1))
     assert all(p.metas[0].shape == (i + 1,) and p.devices == {"cpu"} for i, p in enumerate(plans))
     assert packing.plan([tensors[-1]]) is plans[-1]  # kept
-    assert packing.plan([tensors[n - packing._PLANS_MAX + 1]]) is plans[n - packing._PLANS_MAX + 1]
+    assert packing.plan([tensors[n - packing.PLANS_MAX + 1]]) is plans[n - packing.PLANS_MAX + 1]
     again = packing.plan([tensors[0]])  # dropped: made anew, equal
     assert again is not plans[0] and again == plans[0]
     two = packing.plan([torch.ones(3), torch.ones(2, dtype=torch.int64)], ["a", "b"])

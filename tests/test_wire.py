@@ -229,6 +229,33 @@ def test_checked_entries_are_remembered_but_never_an_invalid_one() -> None:
     assert table not in _messages._VALID_INLINE.keys
 
 
+def test_the_inline_table_memo_is_bounded_by_tensor_entries_not_by_tables() -> None:
+    """A stream of chunks of many sizes (a one-tensor table per size) is checked once
+    per size, for as many sizes as 1,024 tables of 16 entries hold; a peer sending
+    ever new 16-entry tables still costs at most that many entries."""
+    from omniwire.wire import _messages
+
+    memo = _messages._VALID_INLINE
+    memo.keys.clear()
+    memo.weight = 0
+    one = [
+        ((wire.TensorMeta(dtype="uint8", shape=(n,), offset=0, nbytes=n),), n)
+        for n in range(1, 4001)
+    ]
+    for tensors, n in one:
+        wire.InlineStreamChunkRef(tensors=tensors, data=bytes(n))
+    assert all(key in memo.keys for key in one)  # 4,000 sizes: all remembered
+    assert memo.weight == 4000
+    for i in range(memo.limit // 16 + 10):  # ever new 16-entry tables
+        metas = tuple(
+            wire.TensorMeta(dtype="uint8", shape=(1,), offset=64 * j, nbytes=1, path=f"{i}.{j}")
+            for j in range(16)
+        )
+        wire.InlineStreamChunkRef(tensors=metas, data=bytes(64 * 15 + 1))
+        assert memo.weight <= memo.limit
+    assert len(memo.keys) <= memo.limit // 16
+
+
 def test_invalid_field_in_a_frame_names_the_field() -> None:
     body = msgspec.msgpack.encode(
         {"type": "data_ack", "object_id": -5, "from_stage": "a", "to_stage": "b"}

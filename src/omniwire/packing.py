@@ -27,6 +27,7 @@ from .errors import WireFormatError
 from .wire import DTYPE_ITEMSIZE, I64_MAX, MAX_NDIM, InlineStreamChunkRef, TensorMeta, align_up
 
 __all__ = [
+    "PLANS_MAX",
     "PackPlan",
     "as_byte_tensor",
     "dtype_name",
@@ -113,7 +114,8 @@ _NUMPY_TORCH: Final = frozenset(getattr(torch, name) for name in _NUMPY)
 #: A full cache drops its oldest plan (an OrderedDict: deleting a plain dict's first
 #: key leaves a hole its next iteration skips, which made a miss cost twice as much).
 _PLANS: collections.OrderedDict[tuple[object, ...], PackPlan] = collections.OrderedDict()
-_PLANS_MAX = 4096
+#: Plans kept; the caches of what a plan leads to (routes, payload infos) keep as many.
+PLANS_MAX = 4096
 
 
 def plan(tensors: Sequence[torch.Tensor], paths: Sequence[str] = ()) -> PackPlan:
@@ -176,7 +178,7 @@ def _plan_one(t: torch.Tensor, path: str) -> PackPlan:
 
 
 def _remember(key: tuple[object, ...], layout: PackPlan) -> PackPlan:
-    if len(_PLANS) >= _PLANS_MAX:
+    if len(_PLANS) >= PLANS_MAX:
         _PLANS.popitem(last=False)
     _PLANS[key] = layout
     return layout

@@ -110,7 +110,7 @@ def payload_info(kind: Kind, tensors: list[torch.Tensor], layout: packing.PackPl
     key = (layout.nbytes, len(tensors), layout.devices, kind)
     info = _INFOS.get(key)
     if info is None:
-        if len(_INFOS) >= 1024:
+        if len(_INFOS) >= packing.PLANS_MAX:
             _INFOS.clear()
         info = _INFOS[key] = PayloadInfo(kind, layout.nbytes, layout.devices, len(tensors))
     return info

@@ -319,7 +319,7 @@ class Sender:
         if hit is not None and hit[0] is layout and hit[1] is peer.routes and not self._trace:
             return hit[2]
         route = self.select(peer, payload_info(kind, tensors, layout))
-        if len(self._by_plan) >= 1024:
+        if len(self._by_plan) >= packing.PLANS_MAX:  # a plan each: they thrash together
             self._by_plan.clear()
         self._by_plan[key] = (layout, peer.routes, route)  # holds the plan: its id stays its
         return route

@@ -120,14 +120,17 @@ class _Valid:
     """What passed a validation that depends only on the values checked (a pure
     function of them), so that the same entry seen again — every chunk of a stream
     carries the same tensor table — is not checked again in Python: membership hashes
-    and compares frozen structs in C. Bounded: emptied when full, so a peer sending
-    ever new (valid) entries costs memory up to ``limit`` entries, never more."""
+    and compares frozen structs in C. Bounded: each key weighs what it holds (an
+    inline table: its number of tensor entries), and the memo is emptied when the
+    weight reaches ``limit``, so a peer sending ever new (valid) entries costs memory
+    up to ``limit`` entries, never more."""
 
-    __slots__ = ("keys", "limit")
+    __slots__ = ("keys", "limit", "weight")
 
     def __init__(self, limit: int) -> None:
         self.keys: set[object] = set()
         self.limit = limit
+        self.weight = 0
 
     def known(self, key: object) -> bool | None:
         """True: passed before; False: not (yet); None: unhashable (a list built by
@@ -137,15 +140,20 @@ class _Valid:
         except TypeError:
             return None
 
-    def add(self, key: object) -> None:
+    def add(self, key: object, weight: int = 1) -> None:
         keys = self.keys
-        if len(keys) >= self.limit:
+        if self.weight + weight > self.limit:
             keys.clear()
+            self.weight = 0
         keys.add(key)
+        self.weight += weight
 
 
 _VALID_METAS = _Valid(4096)
-_VALID_INLINE = _Valid(1024)  # (tensor table, data length) of inline chunks
+#: (tensor table, data length) of inline chunks, weighed by their tensor entries: as
+#: many entries as 1,024 tables of 16, or 16,384 one-tensor tables (chunks of as many
+#: sizes: a stream of varying sizes is checked once per size).
+_VALID_INLINE = _Valid(16384)
 #: Only small entries are remembered (what the memo holds stays within a few MiB):
 #: tensor paths of at most this many characters, inline tables of at most this many
 #: tensors.
@@ -295,7 +303,7 @@ class InlineStreamChunkRef(_Base, frozen=True, kw_only=True):
             return
         self._check(size)
         if known is False and all(len(t.path) <= _MEMO_PATH for t in self.tensors):
-            _VALID_INLINE.add(key)
+            _VALID_INLINE.add(key, max(1, len(self.tensors)))
 
     def _check(self, size: int) -> None:
         if len(self.tensors) > MAX_TENSORS:
