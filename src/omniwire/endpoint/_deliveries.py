@@ -109,8 +109,11 @@ class Deliveries:
         self._seq = itertools.count()
         self._all: OrderedDict[int, Delivery] = OrderedDict()
         self._by_request: dict[str, OrderedDict[int, Delivery]] = {}
-        #: ids of requests with queued deliveries and no hold, oldest first (a set)
-        self._unheld: dict[str, None] = {}
+        #: ids of requests with queued deliveries and no hold, oldest first (a set).
+        #: Every queue here whose oldest entry is taken is an OrderedDict: a plain
+        #: dict finds its first key by skipping the holes its deleted keys left, which
+        #: made each dispatch of a burst cost O(requests dispatched before it).
+        self._unheld: OrderedDict[str, None] = OrderedDict()
         #: Told when a delivery that holds a window charge leaves the queue.
         #: request id -> {stage filter (None: every stage) -> streams/receives holding it}
         self._holds: dict[str, dict[str | None, int]] = {}
