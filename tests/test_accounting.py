@@ -9,6 +9,7 @@ import asyncio
 import functools
 from collections import OrderedDict
 from multiprocessing import shared_memory
+from typing import Any
 
 import anyio
 import msgspec
@@ -473,6 +474,48 @@ async def test_aborts_of_unseen_requests_queue_nothing() -> None:
         assert victim.queued() == 0
         assert victim._core.aborts.is_aborted("elsewhere-3")  # remembered all the same
         await _still_serves(victim, friend, "after")
+
+
+class _Queued:
+    """An inbox item that counts how often its request id is read."""
+
+    reads = 0
+
+    def __init__(self, request_id: str) -> None:
+        self._request_id = request_id
+
+    @property
+    def request_id(self) -> str:
+        _Queued.reads += 1
+        return self._request_id
+
+
+@pytest.mark.asyncio
+async def test_an_abort_looks_only_at_the_queued_items_of_its_request() -> None:
+    """Was: every abort scanned the whole inbox of every peer for items of its request.
+    With 16,000 items queued, an abort of a request never seen cost 433 µs of the event
+    loop (measured with a probe), and a loop turn applies up to 512 messages."""
+    async with pair() as (_a, b):
+        peer = b._peers.get("a")
+        assert peer is not None
+        peer.busy = True  # nothing takes from the inbox meanwhile
+        try:
+            doomed = wire.DataReadyMessage(
+                request_id="doomed", from_stage="a", to_stage="b", is_done=True
+            )
+            queued: list[Any] = [_Queued(f"queued-{i}") for i in range(1000)]
+            queued.insert(500, doomed)
+            for item in queued:
+                peer.inbox.append(item)
+            before = _Queued.reads
+            for k in range(100):
+                b._receiver.on_abort(f"stray-{k}", "c", "", notify=True)
+            b._receiver.on_abort("doomed", "c", "", notify=True)
+            assert _Queued.reads - before == 0  # no item of another request was looked at
+            assert list(peer.inbox) == [q for q in queued if q is not doomed]  # in order
+        finally:
+            peer.inbox.clear()
+            peer.busy = False
 
 
 @pytest.mark.asyncio

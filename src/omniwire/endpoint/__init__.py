@@ -14,6 +14,7 @@ _targets      one target or several (a fan-out), inside the observer's span
 _fanout       one payload to several targets: encoded once, packed once (shared refs)
 _receiver     the take path (read → deliver → ACK) and the one release path
 _reading      reading an announced object: import, fetch as announced, rebuild
+_inbox        a peer's DataReadys waiting to be taken, oldest first, by request id
 _deliveries   the delivery queue: scoped/unscoped consumers, holds, receive budget
 _receiving    the receiving half of the public API (receive, deliveries, requests)
 _lifecycle    start, cancel-safe close, housekeeping

@@ -175,12 +175,12 @@ class Receiver:
         if peer.busy or peer.worker or peer.status is not PeerStatus.READY:
             return False
         inbox = peer.inbox
-        while inbox and isinstance(head := inbox[0], wire.DataReadyMessage):
+        while inbox and isinstance(head := inbox.head(), wire.DataReadyMessage):
             inbox.popleft()
             self.take_message(peer, head, wire.charge(head))
         if not inbox:
             return False
-        head = inbox[0]
+        head = inbox.head()
         if len(inbox) == 1 and (
             not isinstance(head, InRecord)
             or self.reader.fits_now(
@@ -565,7 +565,7 @@ class Receiver:
         its remembered id (so its late data is still refused)."""
         seen = self.core.aborts.seen(request_id)
         for peer in self.peers.all():
-            for item in [i for i in peer.inbox if _rid(i) == request_id]:
+            for item in peer.inbox.of_request(request_id):
                 if isinstance(item, InRecord):
                     self.refuse(peer, item, "aborted", "request aborted")
                 else:
@@ -585,7 +585,7 @@ class Receiver:
         its requests were cut short."""
         cut: dict[str, None] = dict.fromkeys(peer.open_streams)
         for item in peer.inbox:
-            cut.setdefault(_rid(item), None)
+            cut.setdefault(item.request_id, None)
         for record in records:
             record.orphaned = True
             if not record.lent:
@@ -616,10 +616,6 @@ class Receiver:
 
     def in_flight(self) -> dict[str, int]:
         return {p.name: len(p.session.inbound) for p in self.peers.all()}
-
-
-def _rid(item: InRecord | wire.DataReadyMessage) -> str:
-    return item.request_id
 
 
 def _data(

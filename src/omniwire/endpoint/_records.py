@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import enum
 import time
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -26,6 +26,7 @@ from ..errors import PeerRefusedError
 from ..flow import Credits, ReceiveWindow, Window
 from ..ring import RingReader, RingWriter
 from ..routing import Candidate, Edge, RouteCache
+from ._inbox import Inbox
 from ._stats import RouteStats
 
 __all__ = [
@@ -245,7 +246,7 @@ class Peer:
     chunk_ids: dict[str, int] = field(default_factory=dict)
     send_lock: anyio.Lock = field(default_factory=anyio.Lock)
     # receiving: announced objects and data-less messages, in arrival order
-    inbox: deque[InRecord | wire.DataReadyMessage] = field(default_factory=deque)
+    inbox: Inbox[InRecord | wire.DataReadyMessage] = field(default_factory=Inbox)
     busy: bool = False  # an item of the inbox is being taken
     worker: bool = False  # a task is draining the inbox
     current_take: tuple[str, anyio.CancelScope] | None = None
