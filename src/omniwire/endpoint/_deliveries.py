@@ -34,8 +34,10 @@ peer's window (spec §7.6) until its delivery is taken or dropped (``ReceiveWind
 Dispatch. ``requests()`` finds the oldest request nobody holds in O(1): the
 queue keeps the ids of unheld requests with queued deliveries in order (a request
 let go with deliveries still queued goes to the back). Unscoped consumers take the
-oldest unheld delivery in arrival order: O(1) while nothing is held, else a walk
-past the held ones (counted in ``counters["deliveries_scanned"]``).
+oldest unheld delivery in arrival order: O(1) while nothing is held, else the top
+of a heap of the unheld deliveries, built when first needed and kept while some
+request is held (its stale entries popped: counted in
+``counters["deliveries_scanned"]``, amortized O(1) per delivery).
 
 Deliveries nobody asks for. A delivery of a request nobody holds, waiting while
 its consumer never comes (a reply that arrives after its requester gave up, say),
@@ -52,6 +54,7 @@ the request is held.
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import time
 from collections import OrderedDict
@@ -120,6 +123,12 @@ class Deliveries:
         self._scoped: dict[str, list[_Consumer]] = {}  # waiting, by request id
         self._unscoped: list[_Consumer] = []  # waiting: receive(), requests()
         self._tombstones: OrderedDict[str, int] = OrderedDict()  # request id -> seq
+        #: While some request is held: the unheld deliveries, a heap of (seq, delivery),
+        #: so an unscoped consumer finds the oldest without walking past held ones.
+        #: Entries go stale (taken, dropped, held since) and are discarded when they
+        #: reach the top; a request let go pushes its deliveries again. None while
+        #: nothing is held (or after too many stale entries: rebuilt when needed).
+        self._free: list[tuple[int, Delivery]] | None = None
         #: What deliveries reply through (the endpoint; set by it).
         self.replier: Any = None
 
@@ -139,6 +148,11 @@ class Deliveries:
             if rid not in self._holds:
                 self._unheld[rid] = None
         queue[seq] = delivery
+        free = self._free
+        if free is not None and not self._held(delivery):
+            heapq.heappush(free, (seq, delivery))
+            if len(free) > 2 * len(self._all) + 64:
+                self._free = None  # mostly stale: rebuilt by the next consumer that needs it
         for consumer in self._scoped.get(rid, ()):
             if consumer.stage_ok(delivery):
                 consumer.event.set()
@@ -243,8 +257,10 @@ class Deliveries:
                 if consumer.stage_ok(d):
                     return seq, d
             return None
-        if not self._holds and consumer.from_stage is None:
-            return next(iter(self._all.items()), None)  # the common case: O(1)
+        if consumer.from_stage is None:
+            if not self._holds:
+                return next(iter(self._all.items()), None)  # the common case: O(1)
+            return self._oldest_unheld()
         scanned = 0
         try:
             for seq, d in self._all.items():
@@ -254,6 +270,26 @@ class Deliveries:
             return None
         finally:
             self.core.counters["deliveries_scanned"] += scanned
+
+    def _oldest_unheld(self) -> tuple[int, Delivery] | None:
+        """The oldest delivery nobody holds, while some request is held: the top of
+        the heap of unheld deliveries, past its stale entries (amortized O(log n))."""
+        free = self._free
+        scanned = 0
+        if free is None:  # in arrival order: a heap already
+            free = self._free = [(seq, d) for seq, d in self._all.items() if not self._held(d)]
+            scanned = len(self._all)
+        try:
+            while free:
+                seq, d = free[0]
+                if self._all.get(seq) is d and not self._held(d):
+                    return seq, d  # stale once taken: popped by a later call
+                heapq.heappop(free)
+                scanned += 1
+            return None
+        finally:
+            if scanned:
+                self.core.counters["deliveries_scanned"] += scanned
 
     def _take(self, seq: int, d: Delivery) -> Delivery:
         self._remove(seq, d)
@@ -302,6 +338,12 @@ class Deliveries:
                 del self._holds[request_id]
                 if request_id in self._by_request:
                     self._unheld[request_id] = None  # to the back of the line
+            if not self._holds:
+                self._free = None  # nothing held: the queue's head is the oldest
+            elif self._free is not None:
+                for seq, d in self._by_request.get(request_id, {}).items():
+                    if not self._held(d):
+                        heapq.heappush(self._free, (seq, d))
         queued = self._by_request.get(request_id)
         if wake and queued and self._unscoped:  # what it held is anybody's now
             for d in queued.values():
@@ -354,6 +396,8 @@ class Deliveries:
         tombstone = Delivery("error", rid, d.from_stage, d.chunk_id, error=error, cause="unclaimed")
         tombstone._replier = self.replier
         self._all[seq] = tombstone  # in its place: order holds
+        if self._free is not None:
+            heapq.heappush(self._free, (seq, tombstone))
         self._by_request[rid][seq] = tombstone
         self._tombstones[rid] = seq
         self.core.noisy.warning("unclaimed", "%s: %s", self.core.name, error)
@@ -371,6 +415,7 @@ class Deliveries:
         self._by_request.clear()
         self._unheld.clear()
         self._tombstones.clear()
+        self._free = None
         for consumer in [*self._unscoped, *(c for cs in self._scoped.values() for c in cs)]:
             consumer.event.set()
 
