@@ -600,6 +600,33 @@ async def test_an_abort_looks_only_at_the_queued_items_of_its_request() -> None:
 
 
 @pytest.mark.asyncio
+async def test_aborted_streams_leave_no_state_on_their_sender() -> None:
+    """Was: the sender kept each stream's next chunk id until end_stream, so a stream
+    aborted before its end (by its sender, its receiver, an idle or open-streams
+    refusal) kept an entry for the life of the session: a long-running stage whose
+    clients cancel grew without bound."""
+    async with pair(max_open_streams=4, sender={"routes": {"b": "inline"}}) as (a, b):
+        peer = a._peers.get("b")
+        assert peer is not None
+        for i in range(20):
+            await a.stream("b", torch.ones(1), request_id=f"mine{i}")
+            await a.abort(f"mine{i}")  # aborted here
+        for i in range(8):  # 4 more than b keeps open: refused, aborted back to a
+            await a.stream("b", torch.ones(1), request_id=f"many{i}")
+        with anyio.fail_after(10):
+            while not all(a._core.aborts.is_aborted(f"many{i}") for i in range(4, 8)):
+                await anyio.sleep(0.02)
+        for i in range(4):
+            await b.abort(f"many{i}")  # aborted by the receiver
+        with anyio.fail_after(10):
+            while not all(a._core.aborts.is_aborted(f"many{i}") for i in range(4)):
+                await anyio.sleep(0.02)
+        assert peer.chunk_ids == {}
+        await a.stream("b", torch.ones(1), request_id="open")
+        assert peer.chunk_ids == {"open": 1}  # a stream still open keeps its place
+
+
+@pytest.mark.asyncio
 async def test_a_held_request_still_gets_its_aborted_delivery() -> None:
     async with pair() as (a, b):
         async with anyio.create_task_group() as tg:

@@ -637,8 +637,10 @@ class Sender:
         record.release(error, "refused")
 
     def on_abort(self, request_id: str, error: RequestAbortedError) -> None:
-        """Fail the receipts of the request; the buffers wait for the peers' NACKs."""
+        """Fail the receipts of the request (the buffers wait for the peers' NACKs) and
+        forget its streams: no chunk of it goes anywhere again."""
         for peer in self.peers.all():
+            peer.chunk_ids.pop(request_id, None)
             for record in peer.session.outbound_of(request_id):
                 record.fail(error)
 
