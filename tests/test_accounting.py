@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import time
 from collections import OrderedDict
 from multiprocessing import shared_memory
 from typing import Any
@@ -329,6 +330,55 @@ async def test_one_peers_backlog_does_not_hold_the_event_loop() -> None:
             # the loop turned between frames of the backlog, not once after all of them
             assert len(between) >= 5, sorted(between)
         finally:
+            m.close()
+
+
+@pytest.mark.asyncio
+async def test_a_flood_of_aborts_does_not_hold_the_event_loop() -> None:
+    """Was: the abort channel's loop applied every abort frame queued at its SUB socket
+    without giving the event loop a turn (pyzmq hands a queued frame back without
+    suspending), so a peer publishing aborts as fast as it could held the endpoint."""
+    import zmq
+
+    async with victim_and_friend() as (victim, _friend):
+        m = Mallory(victim.address)
+        pub = m.ctx.socket(zmq.PUB)
+        pub.bind(addr("mallory-aborts"))
+        try:
+            hello = m.hello()
+            where = pub.getsockopt_string(zmq.LAST_ENDPOINT)
+            hello = msgspec.structs.replace(hello, wire_max=(1, 1), abort_address=where)
+            await m.send(wire.encode(hello))
+            await anyio.sleep(1.0)  # subscribed (a SUB misses what comes before)
+            n = 800  # under the high-water marks: none dropped
+            frames = [
+                wire.encode(wire.AbortMessage(request_id=f"flood-{i}", from_stage="mallory"))
+                for i in range(n)
+            ]
+            start = victim.counters.get("aborts", 0)
+            for frame in frames:  # all queued while the victim's loop cannot run
+                zmq.Socket.send(pub, frame)
+            time.sleep(0.5)  # noqa: ASYNC251 (the loop must not run: ZeroMQ queues them)
+            seen: list[int] = []
+            stop = False
+
+            async def ticker() -> None:
+                while not stop:
+                    seen.append(victim.counters.get("aborts", 0))
+                    await asyncio.sleep(0)
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(ticker)
+                with anyio.fail_after(30):
+                    while victim.counters.get("aborts", 0) < start + n:
+                        await anyio.sleep(0.01)
+                stop = True
+            between = {s for s in seen if start < s < start + n}
+            # the loop turned between the aborts (at least every 512 of them, sooner
+            # after 2 ms: 9 turns here), not once after all of them
+            assert len(between) >= n // 512, sorted(between)
+        finally:
+            pub.close(0)
             m.close()
 
 

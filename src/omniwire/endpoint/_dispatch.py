@@ -8,7 +8,8 @@ Bounded work per turn: the control loop gives the event loop a turn after
 ``_TURN_MESSAGES`` messages or ``_TURN_SECONDS`` of applying frames, so a backlog
 of one peer (100,000 requests in a hundred frames) holds the application, the
 other peers' ACKs and liveness for milliseconds, not seconds. The same budget bounds
-what the PULL socket's reader callback applies while the control loop waits. A
+what the PULL socket's reader callback applies while the control loop waits, and the
+abort channel's loop. A
 frame over 1 MiB (up to 65,536 tensor table entries per DataRef, each validated in
 Python) is decoded in a worker thread, so its decode does not hold the event loop
 either.
@@ -141,13 +142,18 @@ class Dispatcher:
         reader.start(on_frames, on_closed)
 
     async def abort_loop(self) -> None:
-        """Frames from the PUB sockets of the peers we subscribed to."""
+        """Frames from the PUB sockets of the peers we subscribed to, within the same
+        budget per turn: a frame already queued comes back without suspending, so a
+        flood of aborts would otherwise be applied in one turn, however long."""
         while True:
             try:
                 frame = await self.core.control.recv_abort()
             except EndpointClosedError:
                 return
             self.on_frame(frame, abort_channel=True)
+            if self._turn_spent():
+                await asyncio.sleep(0)
+                self._new_turn()
 
     def on_frame(
         self, frame: bytes, *, abort_channel: bool, source: str | None = None
