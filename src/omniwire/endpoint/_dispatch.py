@@ -9,10 +9,9 @@ Bounded work per turn: the control loop gives the event loop a turn after
 of one peer (100,000 requests in a hundred frames) holds the application, the
 other peers' ACKs and liveness for milliseconds, not seconds. The same budget bounds
 what the PULL socket's reader callback applies while the control loop waits, and the
-abort channel's loop. A
-frame over 1 MiB (up to 65,536 tensor table entries per DataRef, each validated in
-Python) is decoded in a worker thread, so its decode does not hold the event loop
-either.
+abort channel's loop. A frame over 1 MiB (up to 65,536 tensor table entries per
+DataRef, each validated in Python) is decoded in a worker thread, so its decode does
+not hold the event loop either.
 """
 
 from __future__ import annotations
