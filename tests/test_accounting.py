@@ -287,6 +287,32 @@ async def test_a_stalled_progressive_object_does_not_hold_the_receive_budget() -
 # -- 4. bounded work per loop turn -------------------------------------------------------
 
 
+class _Turns:
+    """The value of ``ep.counters[counter]`` at every turn of the event loop, from
+    :meth:`run` (a task) until :meth:`until` has seen the counter reach ``end``."""
+
+    def __init__(self, ep: Endpoint, counter: str) -> None:
+        self.ep, self.counter = ep, counter
+        self.seen: list[int] = []
+        self.start = ep.counters.get(counter, 0)
+        self._stop = False
+
+    async def run(self) -> None:
+        while not self._stop:
+            self.seen.append(self.ep.counters.get(self.counter, 0))
+            await asyncio.sleep(0)
+
+    async def until(self, end: int, timeout: float) -> None:
+        with anyio.fail_after(timeout):
+            while self.ep.counters.get(self.counter, 0) < end:
+                await anyio.sleep(0.01)
+        self._stop = True
+
+    def between(self, end: int) -> set[int]:
+        """The values seen strictly between the start and ``end``."""
+        return {s for s in self.seen if self.start < s < end}
+
+
 @pytest.mark.asyncio
 async def test_one_peers_backlog_does_not_hold_the_event_loop() -> None:
     """Was: 100,000 one-chunk requests in 100 batch frames were applied without a pause."""
@@ -309,24 +335,13 @@ async def test_one_peers_backlog_does_not_hold_the_event_loop() -> None:
                     for i in range(1000)
                 )
                 frames.append(wire.encode(wire.BatchMessage(messages=msgs), version=(1, 1)))
-            seen: list[int] = []
-            stop = False
-
-            async def ticker() -> None:
-                while not stop:
-                    seen.append(victim.counters.get("frames_received", 0))
-                    await asyncio.sleep(0)
-
+            turns = _Turns(victim, "frames_received")
             async with anyio.create_task_group() as tg:
-                tg.start_soon(ticker)
-                start = victim.counters.get("frames_received", 0)
+                tg.start_soon(turns.run)
                 for frame in frames:
                     await m.send(frame)
-                with anyio.fail_after(60):
-                    while victim.counters.get("frames_received", 0) < start + len(frames):
-                        await anyio.sleep(0.01)
-                stop = True
-            between = {s for s in seen if start < s < start + len(frames)}
+                await turns.until(turns.start + len(frames), 60)
+            between = turns.between(turns.start + len(frames))
             # the loop turned between frames of the backlog, not once after all of them
             assert len(between) >= 5, sorted(between)
         finally:
@@ -355,25 +370,14 @@ async def test_a_flood_of_aborts_does_not_hold_the_event_loop() -> None:
                 wire.encode(wire.AbortMessage(request_id=f"flood-{i}", from_stage="mallory"))
                 for i in range(n)
             ]
-            start = victim.counters.get("aborts", 0)
+            turns = _Turns(victim, "aborts")
             for frame in frames:  # all queued while the victim's loop cannot run
                 zmq.Socket.send(pub, frame)
             time.sleep(0.5)  # noqa: ASYNC251 (the loop must not run: ZeroMQ queues them)
-            seen: list[int] = []
-            stop = False
-
-            async def ticker() -> None:
-                while not stop:
-                    seen.append(victim.counters.get("aborts", 0))
-                    await asyncio.sleep(0)
-
             async with anyio.create_task_group() as tg:
-                tg.start_soon(ticker)
-                with anyio.fail_after(30):
-                    while victim.counters.get("aborts", 0) < start + n:
-                        await anyio.sleep(0.01)
-                stop = True
-            between = {s for s in seen if start < s < start + n}
+                tg.start_soon(turns.run)
+                await turns.until(turns.start + n, 30)
+            between = turns.between(turns.start + n)
             # the loop turned between the aborts (at least every 512 of them, sooner
             # after 2 ms: 9 turns here), not once after all of them
             assert len(between) >= n // 512, sorted(between)
