@@ -148,11 +148,8 @@ class Deliveries:
             if rid not in self._holds:
                 self._unheld[rid] = None
         queue[seq] = delivery
-        free = self._free
-        if free is not None and not self._held(delivery):
-            heapq.heappush(free, (seq, delivery))
-            if len(free) > 2 * len(self._all) + 64:
-                self._free = None  # mostly stale: rebuilt by the next consumer that needs it
+        if self._free is not None and not self._held(delivery):
+            self._push_free(seq, delivery)
         for consumer in self._scoped.get(rid, ()):
             if consumer.stage_ok(delivery):
                 consumer.event.set()
@@ -291,6 +288,16 @@ class Deliveries:
             if scanned:
                 self.core.counters["deliveries_scanned"] += scanned
 
+    def _push_free(self, seq: int, d: Delivery) -> None:
+        """Add an unheld delivery to the heap, if there is one; a heap mostly of stale
+        entries is dropped, to be rebuilt by the next consumer that needs it."""
+        free = self._free
+        if free is None:
+            return
+        heapq.heappush(free, (seq, d))
+        if len(free) > 2 * len(self._all) + 64:
+            self._free = None
+
     def _take(self, seq: int, d: Delivery) -> Delivery:
         self._remove(seq, d)
         self._give_back(d)
@@ -343,7 +350,7 @@ class Deliveries:
             elif self._free is not None:
                 for seq, d in self._by_request.get(request_id, {}).items():
                     if not self._held(d):
-                        heapq.heappush(self._free, (seq, d))
+                        self._push_free(seq, d)
         queued = self._by_request.get(request_id)
         if wake and queued and self._unscoped:  # what it held is anybody's now
             for d in queued.values():
@@ -396,8 +403,7 @@ class Deliveries:
         tombstone = Delivery("error", rid, d.from_stage, d.chunk_id, error=error, cause="unclaimed")
         tombstone._replier = self.replier
         self._all[seq] = tombstone  # in its place: order holds
-        if self._free is not None:
-            heapq.heappush(self._free, (seq, tombstone))
+        self._push_free(seq, tombstone)
         self._by_request[rid][seq] = tombstone
         self._tombstones[rid] = seq
         self.core.noisy.warning("unclaimed", "%s: %s", self.core.name, error)
