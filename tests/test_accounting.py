@@ -681,6 +681,32 @@ async def test_aborted_streams_leave_no_state_on_their_sender() -> None:
 
 
 @pytest.mark.asyncio
+async def test_peers_that_come_and_go_leave_no_route_statistics_behind(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Was: a stage kept the route statistics (up to 1,000 latencies each) of every peer
+    it ever answered, long after the peer table had forgotten it: a server whose
+    clients come and go under new names (or a peer that reconnects under ever new
+    names) grew without bound. Only the peers the table remembers keep theirs."""
+    monkeypatch.setattr("omniwire.endpoint._peers._TOMBSTONES", 2)
+    async with Endpoint("srv", address=addr("srv")) as srv:
+        for i in range(8):
+            async with Endpoint(f"c{i}", address=addr(f"c{i}"), peers={"srv": srv.address}) as c:
+                await c.wait_peer("srv", 10)
+                await (await c.send("srv", {"i": i}, request_id=f"q{i}")).wait(10)
+                d = await srv.receive(10)
+                await (await d.reply({"ok": i})).wait(10)
+                assert (await c.receive(10)).payload == {"ok": i}
+        with anyio.fail_after(10):
+            while len(srv._peers.all()) > 2:  # the table forgets all but 2 gone peers
+                await anyio.sleep(0.05)
+        remembered = {p.name for p in srv._peers.all()}
+        assert {peer for peer, _kind, _backend in srv.route_stats} <= remembered
+        assert {peer for peer, _kind, _backend in srv._sender._routes_seen} <= remembered
+        assert {(f"c{i}", "payload") for i in (6, 7)} <= {k[:2] for k in srv.route_stats}
+
+
+@pytest.mark.asyncio
 async def test_a_held_request_still_gets_its_aborted_delivery() -> None:
     async with pair() as (a, b):
         async with anyio.create_task_group() as tg:

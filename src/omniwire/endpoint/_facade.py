@@ -189,7 +189,9 @@ class Endpoint(Receiving):
         )
         key = auth_key if auth_key is not None else os.environ.get("OMNIWIRE_AUTH_KEY") or None
         self._core = core = Core.assemble(cfg, key, as_observer(observer))
-        self._peers = PeerTable(core, self._on_ready, self._on_gone, self._on_ring)
+        self._peers = PeerTable(
+            core, self._on_ready, self._on_gone, self._on_ring, self._on_forgotten
+        )
         core.outbox.on_broken = self._on_broken
         trace = os.environ.get("OMNIWIRE_TRACE", "") not in ("", "0")
         self._sender = Sender(core, self._peers, trace)
@@ -490,6 +492,9 @@ class Endpoint(Receiving):
     ) -> None:
         self._sender.on_peer_gone(peer, out, error)
         self._receiver.on_peer_gone(peer, inn, cause, error)
+
+    def _on_forgotten(self, name: str) -> None:
+        self._sender.forget(name)
 
     def _on_broken(self, name: str, error: OmniwireError) -> None:
         """What was queued to ``name`` could not be sent: it is lost (nothing is

@@ -68,11 +68,13 @@ class PeerTable:
         on_ready: Callable[[Peer], None],
         on_gone: GoneHook,
         on_ring: Callable[[Peer, RingReader], None],
+        on_forgotten: Callable[[str], None],
     ) -> None:
         self.core = core
         self._on_ready = on_ready
         self._on_gone = on_gone
         self._on_ring = on_ring
+        self._on_forgotten = on_forgotten  # a gone peer's record was dropped
         self._peers: dict[str, Peer] = {}
         self._changed = anyio.Event()  # a peer appeared
 
@@ -403,7 +405,8 @@ class PeerTable:
         self.core.noisy.warning("drop", "%s: forgetting %s: %s", self.core.name, peer.name, reason)
         out, inn = peer.session.reset()
         self._end(peer, out, inn, PeerStatus.LOST, reason, PeerLostError)
-        self._peers.pop(peer.name, None)
+        if self._peers.pop(peer.name, None) is not None:
+            self._on_forgotten(peer.name)
 
     def _prune(self) -> None:
         gone = [
@@ -413,6 +416,7 @@ class PeerTable:
         ]
         for peer in gone[: max(0, len(gone) - _TOMBSTONES)]:
             del self._peers[peer.name]
+            self._on_forgotten(peer.name)
 
     def tick(self, now: float) -> None:
         """Liveness: a few times a second."""

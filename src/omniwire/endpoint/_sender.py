@@ -63,6 +63,8 @@ class Sender:
         self._ids = itertools.count(1)
         self._trace = trace
         self._routes_seen: set[tuple[str, str, str]] = set()
+        #: the keys of route_stats and _routes_seen, by peer name (for :meth:`forget`)
+        self._keys_of: dict[str, set[tuple[str, str, str]]] = {}
         #: route_of's memo: (id(plan), kind, peer) -> (plan, the peer's RouteCache, route)
         self._by_plan: dict[tuple[int, str, str], tuple[packing.PackPlan, RouteCache, Route]] = {}
         #: live transport buffers (``Endpoint.empty``), by their tensor's data_ptr, and
@@ -335,6 +337,7 @@ class Sender:
             level = logging.DEBUG
             if key not in self._routes_seen:
                 self._routes_seen.add(key)
+                self._keys_of.setdefault(peer.name, set()).add(key)
                 level = logging.INFO
             if route_log.isEnabledFor(level):
                 route_log.log(
@@ -364,6 +367,7 @@ class Sender:
         stats = self.route_stats.get(key)
         if stats is None:
             stats = self.route_stats[key] = RouteStats(peer, kind, route.backend, route.reason)
+            self._keys_of.setdefault(peer, set()).add(key)
         stats.route = route
         return stats
 
@@ -648,6 +652,14 @@ class Sender:
         for record in records:
             record.release(error)
         self.core.aborts.cancel_peer(peer.name, error)
+
+    def forget(self, name: str) -> None:
+        """The peer table forgot the gone peer ``name``: so do its route statistics
+        (a stage whose peers come and go under new names keeps those of the peers it
+        remembers, not of every peer it ever served)."""
+        for key in self._keys_of.pop(name, ()):
+            self.route_stats.pop(key, None)
+            self._routes_seen.discard(key)
 
     def on_window(self, peer: Peer, msg: wire.WindowMessage) -> None:
         peer.session.check(msg)
