@@ -21,7 +21,8 @@ from hypothesis import strategies as st
 
 from omniwire import codec, wire
 from omniwire.endpoint import Endpoint
-from omniwire.errors import FrameTooLargeError, RequestAbortedError
+from omniwire.errors import AckTimeoutError, FrameTooLargeError, RequestAbortedError
+from omniwire.routing import PreferenceOrderPolicy
 from omniwire.testing import PeerProcess
 from omniwire.testing.conformance import ipc_address
 from omniwire.testing.strategies import payloads
@@ -678,6 +679,39 @@ async def test_aborted_streams_leave_no_state_on_their_sender() -> None:
         assert peer.chunk_ids == {}
         await a.stream("b", torch.ones(1), request_id="open")
         assert peer.chunk_ids == {"open": 1}  # a stream still open keeps its place
+
+
+@pytest.mark.asyncio
+async def test_first_chunks_that_never_left_leave_no_state_on_their_sender() -> None:
+    """Was: a stream whose first chunk never left kept its entry for the life of the
+    session: an object chunk that waited for a credit was accounted before the wait
+    and never given back when the wait was cancelled or timed out (its stream's next
+    chunk then went out as chunk 1, a gap at 0); an inline chunk cancelled in its
+    window wait, or too large for a frame, gave its id back as an entry of 0."""
+    async with pair(receive_buffer=1, sender={"max_inflight": 1, "ack_timeout": 0.3}) as (a, _b):
+        peer = a._peers.get("b")
+        assert peer is not None
+        for rid in ("x0", "x1"):  # one delivered (b's budget is 1), one unacknowledged
+            await a.send("b", torch.ones(256), request_id=rid)
+        assert peer.credits.count == 1  # no credit left: a chunk by a backend waits
+        for i in range(6):
+            with anyio.move_on_after(0.02):  # its client gives up
+                await a.stream("b", torch.ones(256), request_id=f"gave-up{i}")
+        with pytest.raises(AckTimeoutError):
+            await a.stream("b", torch.ones(256), request_id="timed-out")
+        assert peer.chunk_ids == {}
+    inline_first = {"policy": PreferenceOrderPolicy(["inline", "shm"])}
+    async with pair(receive_window=4096, sender=inline_first) as (a, _b):
+        peer = a._peers.get("b")
+        assert peer is not None
+        while peer.window.available > 300:  # fill b's window (its application takes nothing)
+            await a.send("b", torch.ones(256), request_id="fill")
+        for i in range(6):
+            with anyio.move_on_after(0.02):
+                await a.stream("b", torch.ones(256), request_id=f"gave-up{i}")
+        with pytest.raises(FrameTooLargeError):
+            await a.stream("b", {"blob": b"x" * (17 << 20)}, request_id="too-large")
+        assert peer.chunk_ids == {}
 
 
 @pytest.mark.asyncio

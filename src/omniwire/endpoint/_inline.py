@@ -62,9 +62,13 @@ def inline_message(
 
 def unaccount(peer: Peer, request_id: str, chunk_id: int) -> None:
     """A stream chunk that was accounted never went: its id is the stream's next again
-    (unless later chunks of the stream were accounted meanwhile)."""
+    (unless later chunks of the stream were accounted meanwhile); a first chunk leaves
+    no entry (nothing of the stream went)."""
     if peer.chunk_ids.get(request_id) == chunk_id + 1:
-        peer.chunk_ids[request_id] = chunk_id
+        if chunk_id:
+            peer.chunk_ids[request_id] = chunk_id
+        else:
+            del peer.chunk_ids[request_id]
 
 
 #: A DataReady charged less than this, with fewer than 256 tensor entries, fits in a

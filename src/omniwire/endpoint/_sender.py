@@ -504,9 +504,9 @@ class Sender:
             stats=stats,
         )
         record.receipt.object_id = record.object_id
-        await self._credit(peer, record)
         posted = False
         try:
+            await self._credit(peer, record)  # AckTimeoutError, cancellation: not sent
             if isinstance(backend, ObjectBackend):
                 record.export = backend.export_object(info, payload)
                 points = [nbytes]
