@@ -755,6 +755,85 @@ async def test_a_held_request_still_gets_its_aborted_delivery() -> None:
         assert got == ["aborted"]
 
 
+@pytest.mark.asyncio
+async def test_aborts_of_requests_served_earlier_reach_the_readmes_serving_loop() -> None:
+    """Was: the talker aborting requests the thinker had already served left one
+    ``aborted`` delivery per request in the thinker's queue for ever: the README's
+    ``requests(from_stage="encoder")`` took no request whose first delivery came from
+    another stage, though a consumer scoped to a request takes its ``aborted``
+    delivery whatever stage it names (and each later dispatch walked past them)."""
+    n = 12
+    async with (
+        Endpoint("talker", address=addr("talker")) as talker,
+        Endpoint("thinker", address=addr("thinker"), peers={"talker": talker.address}) as th,
+        Endpoint("enc", address=addr("enc"), peers={"thinker": th.address}) as enc,
+    ):
+        await enc.wait_peer("thinker", 10)
+        await th.wait_peer("talker", 10)
+        aborted: list[str] = []
+
+        async def serve(request: Any) -> None:
+            async with request:
+                async for d in request:
+                    if d.kind == "payload":
+                        await th.send("talker", {"x": torch.ones(4)}, request_id=d.request_id)
+                        return
+                    if d.kind == "aborted":
+                        aborted.append(d.request_id)
+                        return
+
+        async def server() -> None:
+            async with anyio.create_task_group() as tg:
+                async for request in th.requests(from_stage="enc"):
+                    tg.start_soon(serve, request)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(server)
+            for i in range(n):
+                await enc.send("thinker", {"x": torch.ones(4)}, request_id=f"r{i}")
+                assert (await talker.receive(10, request_id=f"r{i}")).kind == "payload"
+                await talker.abort(f"r{i}", "its client went away")
+            with anyio.fail_after(10):
+                while len(aborted) < n:
+                    await anyio.sleep(0.02)
+            assert th.queued() == 0
+            tg.cancel_scope.cancel()
+        assert sorted(aborted) == sorted(f"r{i}" for i in range(n))
+
+
+@pytest.mark.asyncio
+async def test_notices_of_requests_nobody_holds_are_bounded(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Was: every ``aborted`` (and peer-loss or idle-stream ``error``) delivery of a
+    request nobody holds stayed queued until some consumer took it: they hold no
+    budget and no window, so nothing else bounds them, and an endpoint that reads
+    only its own requests' replies grew by one per request a peer aborted. Now the
+    newest few are kept; a request that is held gets its own whatever the count."""
+    monkeypatch.setattr("omniwire.endpoint._deliveries._NOTICES", 8)
+    async with pair() as (a, b):
+        got: list[str] = []
+
+        async def wait_held() -> None:
+            got.append((await a.receive(10, request_id="held")).kind)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(wait_held)
+            await (await a.send("b", {"i": -1}, request_id="held")).wait(10)
+            await b.abort("held")
+            for i in range(20):
+                await (await a.send("b", {"i": i}, request_id=f"r{i}")).wait(10)
+                await b.abort(f"r{i}")
+            with anyio.fail_after(10):
+                while not a._core.aborts.is_aborted("r19"):
+                    await anyio.sleep(0.02)
+        assert got == ["aborted"]
+        assert a.counters["notices_dropped"] == 12
+        assert [d.request_id for d in a._receiver.deliveries._all.values()] == [
+            f"r{i}" for i in range(12, 20)
+        ]
+
+
 # -- 7. a hung peer that keeps missing ACK deadlines --------------------------------------
 
 

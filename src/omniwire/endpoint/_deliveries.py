@@ -12,7 +12,8 @@ queue, each the *oldest* delivery it may take, so nothing is reordered:
 - **unscoped** — ``receive()``, ``async for d in ep``, ``deliveries()``: any
   delivery (from ``from_stage``, if given) of a request nobody *holds*;
 - ``requests()`` — a :class:`DeliveryStream` for each request nobody holds, at its
-  first delivery.
+  first delivery (from ``from_stage``, if given, or ``aborted`` whatever stage it
+  names).
 
 A request is **held** while a :class:`DeliveryStream` for it is open, or while a
 ``receive(request_id=…)`` waits for it; its deliveries then go to its scoped
@@ -50,6 +51,13 @@ request with ``cause="unclaimed"``, which a consumer that comes late still sees.
 Each drop is counted (``counters["deliveries_unclaimed"]``) and logged. A slow
 consumer loses nothing: nothing is dropped while no consumer waits, nor while
 the request is held.
+
+Notices. What the receiver makes itself — ``aborted``, and the ``error`` of a lost
+peer or an idle stream — holds no budget and no window, so nothing above bounds
+it. For a request nobody holds, a notice is kept until ``_NOTICES`` newer ones
+were queued; then, if still nobody holds its request, it is dropped (counted in
+``counters["notices_dropped"]``, logged). A held request's notice is its
+consumer's and never dropped.
 """
 
 from __future__ import annotations
@@ -76,6 +84,10 @@ __all__ = ["TERMINAL", "Deliveries", "DeliveryStream"]
 TERMINAL = frozenset({"stream_end", "error", "aborted"})
 
 _TOMBSTONES = 1024  # "unclaimed" error deliveries kept at most (the oldest go first)
+#: Notices (deliveries that hold neither budget nor window: ``aborted``, and the
+#: ``error`` of a lost peer or an idle stream) of requests nobody holds: a notice is
+#: dropped once this many newer ones were queued, if nobody holds its request by then.
+_NOTICES = 1024
 
 
 class _NoEvent:
@@ -123,6 +135,9 @@ class Deliveries:
         self._scoped: dict[str, list[_Consumer]] = {}  # waiting, by request id
         self._unscoped: list[_Consumer] = []  # waiting: receive(), requests()
         self._tombstones: OrderedDict[str, int] = OrderedDict()  # request id -> seq
+        #: seqs of the notices queued for requests nobody held then, oldest first
+        #: (entries already taken stay until they come out: at most _NOTICES of them)
+        self._notices: OrderedDict[int, None] = OrderedDict()
         #: While some request is held: the unheld deliveries, a heap of (seq, delivery),
         #: so an unscoped consumer finds the oldest without walking past held ones.
         #: Entries go stale (taken, dropped, held since) and are discarded when they
@@ -137,7 +152,9 @@ class Deliveries:
 
     # -- in ------------------------------------------------------------------------
 
-    def put(self, delivery: Delivery) -> None:
+    def put(self, delivery: Delivery, *, notice: bool = False) -> None:
+        """Queue ``delivery``; a ``notice`` (it holds neither budget nor window) is
+        kept only while fewer than ``_NOTICES`` newer ones came, unless held."""
         delivery._replier = self.replier
         seq = next(self._seq)
         self._all[seq] = delivery
@@ -148,6 +165,8 @@ class Deliveries:
             if rid not in self._holds:
                 self._unheld[rid] = None
         queue[seq] = delivery
+        if notice and not self._held(delivery):
+            self._note(seq)
         if self._free is not None and not self._held(delivery):
             self._push_free(seq, delivery)
         for consumer in self._scoped.get(rid, ()):
@@ -201,7 +220,8 @@ class Deliveries:
             await self._sleep(consumer, None)
 
     def _unheld_request(self, from_stage: str | None) -> str | None:
-        """The oldest request nobody holds (whose first delivery is ``from_stage``'s)."""
+        """The oldest request nobody holds whose first delivery is ``from_stage``'s
+        (or an ``aborted`` one: whatever stage it names, as for scoped consumers)."""
         if from_stage is None:
             return next(iter(self._unheld), None)  # O(1)
         scanned = 0
@@ -209,7 +229,7 @@ class Deliveries:
             for rid in self._unheld:
                 scanned += 1
                 first = next(iter(self._by_request[rid].values()))
-                if first.from_stage == from_stage:
+                if first.from_stage == from_stage or first.kind == "aborted":
                     return rid
             return None
         finally:
@@ -345,6 +365,9 @@ class Deliveries:
                 del self._holds[request_id]
                 if request_id in self._by_request:
                     self._unheld[request_id] = None  # to the back of the line
+                    for seq, d in self._by_request[request_id].items():
+                        if d._budget is None and d._window is None and d.kind in TERMINAL:
+                            self._note(seq)  # a notice its holder left: nobody's now
             if not self._holds:
                 self._free = None  # nothing held: the queue's head is the oldest
             elif self._free is not None:
@@ -360,6 +383,30 @@ class Deliveries:
                             consumer.event.set()
 
     # -- aborts, expiry, close ---------------------------------------------------------
+
+    def _note(self, seq: int) -> None:
+        """Remember the notice ``seq`` of a request nobody holds; drop the oldest such
+        notice beyond ``_NOTICES`` (one nobody holds by then: a held one is its
+        consumer's). Amortized O(1): each entry comes out once."""
+        notices = self._notices
+        notices[seq] = None
+        while len(notices) > _NOTICES:
+            old_seq, _ = notices.popitem(last=False)
+            old = self._all.get(old_seq)
+            if old is None or self._held(old):
+                continue  # taken already, or held since
+            self._remove(old_seq, old)
+            self.core.counters["notices_dropped"] += 1
+            self.core.noisy.warning(
+                "notices",
+                "%s: dropped the %s delivery of request %r from %r: nobody holds the request "
+                "and %d newer notices are queued",
+                self.core.name,
+                old.kind,
+                old.request_id,
+                old.from_stage,
+                _NOTICES,
+            )
 
     def drop(self, request_id: str) -> None:
         """Drop the undelivered deliveries of an aborted request (zero-copy ones NACK)."""

@@ -297,7 +297,8 @@ class Receiver:
                 self.core.counters["streams_idle"] += 1
                 why = f"stream_idle: no chunk of request {rid!r} from {peer.name!r} for {limit:g} s"
                 self._refuse_stream(peer, rid, why)
-                self._deliver(Delivery("error", rid, peer.name, error=why, cause="stream_idle"))
+                stale = Delivery("error", rid, peer.name, error=why, cause="stream_idle")
+                self._deliver(stale, notice=True)
 
     def take_message(self, peer: Peer, msg: wire.DataReadyMessage, charge: int) -> None:
         """Take a data-less or inline DataReady now (nothing of it waits). Its
@@ -546,13 +547,14 @@ class Receiver:
 
     # -- deliveries ----------------------------------------------------------------------
 
-    def _deliver(self, delivery: Delivery) -> None:
+    def _deliver(self, delivery: Delivery, *, notice: bool = False) -> None:
+        """Queue ``delivery`` (``notice``: made here, it holds no budget and no window)."""
         observer = self.core.observer
         if observer is not None:
             observer.delivered(self.core.name, delivery)
         self._made += 1
         self._last = delivery
-        self.deliveries.put(delivery)
+        self.deliveries.put(delivery, notice=notice)
 
     # -- aborts, loss, close -------------------------------------------------------------
 
@@ -576,7 +578,8 @@ class Receiver:
             peer.open_streams.pop(request_id, None)
         self.deliveries.drop(request_id)  # zero-copy ones NACK "aborted"
         if notify and (seen or self.deliveries.wanted(request_id)):
-            self._deliver(Delivery("aborted", request_id, origin, error=reason or None, via=via))
+            aborted = Delivery("aborted", request_id, origin, error=reason or None, via=via)
+            self._deliver(aborted, notice=True)
 
     def on_peer_gone(
         self, peer: Peer, records: list[InRecord], cause: str, error: PeerLostError
@@ -597,7 +600,8 @@ class Receiver:
             peer.current_take[1].cancel()
         for rid in cut:
             if not self.core.aborts.is_aborted(rid):
-                self._deliver(Delivery("error", rid, peer.name, error=str(error), cause=cause))
+                cut_short = Delivery("error", rid, peer.name, error=str(error), cause=cause)
+                self._deliver(cut_short, notice=True)
 
     def close(self) -> None:
         for peer in self.peers.all():

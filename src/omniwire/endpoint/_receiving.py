@@ -78,7 +78,8 @@ class Receiving:
                 tg.start_soon(serve, request)   # async with request: async for d in request
 
         Each request nobody holds yet is yielded once (``from_stage``: only what
-        that stage sends); the stream starts at the request's first delivery.
+        that stage sends, or a request whose first delivery is ``aborted``, whatever
+        stage began the abort); the stream starts at the request's first delivery.
         Ends when the endpoint closes.
 
         Raises:
