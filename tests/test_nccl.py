@@ -532,6 +532,37 @@ def test_restarted_peer_gets_a_new_process_group(nccl_class: type[Any]) -> None:
     assert len(procs) == 2 and codes[1] == 0, f"restarted peer exited with {codes[1]}"
 
 
+def test_a_peer_that_restarts_leaves_one_generation_entry(nccl_class: type[Any]) -> None:
+    """Was: the backend kept the last link generation of every (name, instance) it
+    ever connected, for ever: a peer restarted N times left N entries. A generation
+    only matters for an instance that may come back (after a partition), so only a
+    name's latest instance keeps one."""
+
+    async def run() -> None:
+        tag = secrets.token_hex(3)
+        other = f"peer-{tag}"
+        address = ipc_address(other)
+        async with Endpoint(
+            f"tester-{tag}",
+            address=ipc_address(f"tester-{tag}"),
+            backends=["nccl"],
+            peers={other: address},
+        ) as ep:
+            nccl = ep.backend("nccl")
+            instances = []
+            for _ in range(4):
+                async with Endpoint(other, address=address, backends=["nccl"]) as peer:
+                    await ep.wait_peer(other, 20)
+                    instances.append(peer._core.instance)
+                with anyio.fail_after(10):
+                    while other in ep.peer_names():
+                        await anyio.sleep(0.02)
+            assert len(nccl._gens) == 1
+            assert nccl._gens[other][0] == instances[-1]
+
+    anyio.run(run)
+
+
 def test_the_bare_gloo_baseline_checks_the_first_transfer_of_each_size(
     nccl_class: type[Any],
 ) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import OrderedDict
 from typing import Any, ClassVar, Literal
 
 import anyio
@@ -33,6 +34,10 @@ from ._registry import CLOSE_JOIN_SECONDS, join_links, live_links
 __all__ = ["NcclBackend"]
 
 log = logging.getLogger("omniwire.nccl")
+
+#: Peer names whose last link generation is kept (a name evicted and then healed
+#: from a partition under the same instance would start again at generation 0).
+_GENS_KEPT = 4096
 
 _dist: Any = torch.distributed
 _cuda: Any = torch.cuda  # Event constructors are untyped
@@ -231,7 +236,10 @@ class NcclBackend(ByteBackend):
         self.port = 0
         self._pool = RecvPool(max_idle_bytes=pool_bytes)
         self._pairs: dict[tuple[str, int], Pair] = {}
-        self._gens: dict[tuple[str, int], int] = {}
+        #: name -> (its latest instance, the last link generation built with it): a
+        #: partitioned instance that comes back needs a newer generation; a restarted
+        #: one (a new instance) starts again. The least recently connected go first.
+        self._gens: OrderedDict[str, tuple[int, int]] = OrderedDict()
         self._closed = False
         self.counters: dict[str, int] = {
             "links_built": 0,
@@ -290,7 +298,8 @@ class NcclBackend(ByteBackend):
         if old is not None and old.link is not None:
             old.link.fail(BackendError(f"{peer.name!r} connected again"))
         pair = Pair(self, peer, hello)
-        pair.max_gen = self._gens.get(peer.key, -1)
+        instance, gen = self._gens.get(peer.name, (peer.instance, -1))
+        pair.max_gen = gen if instance == peer.instance else -1
         self._pairs[peer.key] = pair
         self._new_link(pair, pair.max_gen + 1)
 
@@ -298,7 +307,11 @@ class NcclBackend(ByteBackend):
         if pair.link is not None:
             pair.link.fail(BackendError(f"superseded by generation {gen}"))
         pair.max_gen = max(pair.max_gen, gen)
-        self._gens[pair.key] = pair.max_gen
+        name, instance = pair.key
+        self._gens[name] = (instance, pair.max_gen)
+        self._gens.move_to_end(name)
+        if len(self._gens) > _GENS_KEPT:
+            self._gens.popitem(last=False)
         pair.link = Link(self, pair, gen)
         return pair.link
 
