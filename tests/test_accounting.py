@@ -479,9 +479,48 @@ async def test_a_held_backlog_does_not_make_every_other_receive_scan_it() -> Non
         assert b.queued() == backlog - 1
 
 
+@pytest.mark.asyncio
+async def test_one_stages_backlog_does_not_make_another_stages_consumers_scan_it() -> None:
+    """Was: a consumer filtering on a stage — the README's ``requests(from_stage=…)``,
+    or ``receive(from_stage=…)`` — walked every queued delivery of every other stage
+    nobody took, for each request or delivery it took: with 5,000 inline payloads of
+    another stage queued, 5,351 deliveries scanned (1.7 ms of CPU) per request
+    dispatched. A peer the application does not read could slow every other one."""
+    backlog, n = 2000, 60
+    room = {"receive_buffer": 4096, "receive_window": 64 << 20}
+    async with (
+        Endpoint("srv", address=addr("srv"), **room) as srv,
+        Endpoint("x", address=addr("x"), peers={"srv": srv.address}, routes={"srv": "inline"}) as x,
+        Endpoint("enc", address=addr("enc"), peers={"srv": srv.address}) as enc,
+    ):
+        await x.wait_peer("srv", 10)
+        await enc.wait_peer("srv", 10)
+        for i in range(backlog):  # nobody reads x's
+            await x.send("srv", {"i": i}, request_id=f"x{i}")
+        for i in range(2 * n):
+            await enc.send("srv", {"i": i}, request_id=f"e{i}")
+        with anyio.fail_after(30):
+            while srv.queued() < backlog + 2 * n:
+                await anyio.sleep(0.01)
+        before = srv.counters["deliveries_scanned"]
+        got = []
+        async for request in srv.requests(from_stage="enc"):
+            async with request:
+                got.append((await request.__anext__()).payload["i"])
+            if len(got) == n:
+                break
+        got += [(await srv.receive(10, from_stage="enc")).payload["i"] for _ in range(n)]
+        assert got == list(range(2 * n))  # oldest first
+        # each index is built once (one walk of the queue), then O(1) a take
+        assert srv.counters["deliveries_scanned"] - before <= 2 * (backlog + 2 * n) + 6 * n
+        assert srv.queued() == backlog
+
+
 _OPS = st.lists(
     st.tuples(
-        st.sampled_from(["put", "put", "put", "hold", "release", "take", "take_scoped"]),
+        st.sampled_from(
+            ["put", "put", "put", "hold", "release", "take", "take_scoped", "take_stage", "next"]
+        ),
         st.sampled_from(["r0", "r1", "r2"]),
         st.sampled_from([None, None, "s0", "s1"]),
         st.sampled_from(["stream_chunk", "stream_chunk", "aborted"]),
@@ -497,9 +536,11 @@ def test_consumers_take_the_oldest_delivery_they_may_whatever_is_held(
     ops: list[tuple[str, str, str | None, str]],
 ) -> None:
     """The queue against a list: an unscoped consumer takes the oldest delivery of a
-    request nobody holds (an ``aborted`` one whatever stage holds it), a scoped one
-    the oldest of its request — through holds and releases in any order (the heap of
-    unheld deliveries must agree with a walk of the queue)."""
+    request nobody holds (an ``aborted`` one whatever stage holds it; with a stage
+    filter, one from that stage or ``aborted``), a scoped one the oldest of its
+    request, and ``requests(from_stage=…)`` finds the first request in line whose
+    first delivery is that stage's or ``aborted`` — through holds and releases in any
+    order (the heaps and indexes must agree with walks of the queue)."""
     from omniwire.delivery import Delivery
     from omniwire.endpoint._deliveries import Deliveries, _Consumer
 
@@ -523,10 +564,21 @@ def test_consumers_take_the_oldest_delivery_they_may_whatever_is_held(
         elif op == "release" and stage in holds.get(rid, []):
             holds[rid].remove(stage)
             queue._release(rid, stage)
-        elif op in ("take", "take_scoped"):
-            scoped = op == "take_scoped"
-            consumer = _Consumer(rid if scoped else None, None)
-            may = [d for d in model if (d.request_id == rid if scoped else not held(d))]
+        elif op == "next":
+            line = [r for r in queue._unheld if r in queue._by_request]
+            firsts = [next(iter(queue._by_request[r].values())) for r in line]
+            want = stage or "s0"
+            may_r = [d.request_id for d in firsts if d.from_stage == want or d.kind == "aborted"]
+            assert queue._unheld_request(want) == (may_r[0] if may_r else None)
+        elif op in ("take", "take_scoped", "take_stage"):
+            scoped, want = op == "take_scoped", (stage or "s0") if op == "take_stage" else None
+            consumer = _Consumer(rid if scoped else None, want)
+            may = [
+                d
+                for d in model
+                if (d.request_id == rid if scoped else not held(d))
+                and (want is None or d.from_stage == want or d.kind == "aborted")
+            ]
             found = queue._find(consumer)
             assert (found[1] if found else None) is (may[0] if may else None)
             if found is not None:
@@ -809,10 +861,15 @@ async def test_notices_of_requests_nobody_holds_are_bounded(
     request nobody holds stayed queued until some consumer took it: they hold no
     budget and no window, so nothing else bounds them, and an endpoint that reads
     only its own requests' replies grew by one per request a peer aborted. Now the
-    newest few are kept; a request that is held gets its own whatever the count."""
+    newest few are kept; a request that is held gets its own whatever the count, and
+    one that ends deliveries still queued stays with them."""
     monkeypatch.setattr("omniwire.endpoint._deliveries._NOTICES", 8)
-    async with pair() as (a, b):
+    async with pair(sender={"stream_idle_timeout": 0.3}) as (a, b):
         got: list[str] = []
+        await b.stream("a", torch.ones(1), request_id="idle")  # a reads nothing of it
+        with anyio.fail_after(10):
+            while not a.counters["streams_idle"]:
+                await anyio.sleep(0.02)
 
         async def wait_held() -> None:
             got.append((await a.receive(10, request_id="held")).kind)
@@ -829,9 +886,10 @@ async def test_notices_of_requests_nobody_holds_are_bounded(
                     await anyio.sleep(0.02)
         assert got == ["aborted"]
         assert a.counters["notices_dropped"] == 12
-        assert [d.request_id for d in a._receiver.deliveries._all.values()] == [
-            f"r{i}" for i in range(12, 20)
-        ]
+        queued = [(d.request_id, d.kind) for d in a._receiver.deliveries._all.values()]
+        # the idle stream's error ends its chunk, still queued: kept (or it never ends)
+        ended = [("idle", "stream_chunk"), ("idle", "error")]
+        assert queued == [*ended, *((f"r{i}", "aborted") for i in range(12, 20))]
 
 
 # -- 7. a hung peer that keeps missing ACK deadlines --------------------------------------

@@ -38,7 +38,12 @@ let go with deliveries still queued goes to the back). Unscoped consumers take t
 oldest unheld delivery in arrival order: O(1) while nothing is held, else the top
 of a heap of the unheld deliveries, built when first needed and kept while some
 request is held (its stale entries popped: counted in
-``counters["deliveries_scanned"]``, amortized O(1) per delivery).
+``counters["deliveries_scanned"]``, amortized O(1) per delivery). Consumers that
+filter on a stage (``requests(from_stage=…)``, ``receive(from_stage=…)``) read
+indexes by stage, built when the first such consumer comes: heaps of the unheld
+requests by the stage of their first delivery and of the unheld deliveries by
+stage (``aborted`` ones under "any stage"), so one stage's backlog that nobody reads
+costs the others nothing (O(log n) per take).
 
 Deliveries nobody asks for. A delivery of a request nobody holds, waiting while
 its consumer never comes (a reply that arrives after its requester gave up, say),
@@ -55,9 +60,10 @@ the request is held.
 Notices. What the receiver makes itself — ``aborted``, and the ``error`` of a lost
 peer or an idle stream — holds no budget and no window, so nothing above bounds
 it. For a request nobody holds, a notice is kept until ``_NOTICES`` newer ones
-were queued; then, if still nobody holds its request, it is dropped (counted in
-``counters["notices_dropped"]``, logged). A held request's notice is its
-consumer's and never dropped.
+were queued; then, if still nobody holds its request and nothing of the request is
+queued before it, it is dropped (counted in ``counters["notices_dropped"]``,
+logged). A held request's notice is its consumer's and never dropped, nor one that
+ends deliveries still queued (a stream would never end).
 """
 
 from __future__ import annotations
@@ -66,6 +72,7 @@ import heapq
 import itertools
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
@@ -99,6 +106,61 @@ class _NoEvent:
 
 _NO_EVENT: Any = _NoEvent()
 
+#: What :meth:`_Filed.top`'s ``key_of`` says of an entry that no longer counts.
+_STALE: Any = object()
+
+
+def _stage_key(d: Delivery) -> str | None:
+    """The stage a consumer filtering on stages must name to take ``d``; None for an
+    ``aborted`` delivery, which every such consumer may take."""
+    return None if d.kind == "aborted" else d.from_stage
+
+
+class _Filed:
+    """Heaps of ``(order, item)`` filed under a key (a stage; None: any stage), so
+    that the oldest item under a key is found without walking past the others. An
+    entry goes stale when its item is taken, held or filed again; stale entries are
+    popped (or moved to the key their item has now) when they reach the top:
+    amortized O(log n) per item. ``size`` counts every entry, stale ones too: the
+    owner drops an index that is mostly stale and builds it again when needed."""
+
+    __slots__ = ("heaps", "scanned", "size")
+
+    def __init__(self) -> None:
+        self.heaps: dict[str | None, list[tuple[int, Any]]] = {}
+        self.size = 0
+        self.scanned = 0  # stale entries popped
+
+    def push(self, key: str | None, order: int, item: Any) -> None:
+        heap = self.heaps.get(key)
+        if heap is None:
+            heap = self.heaps[key] = []
+        heapq.heappush(heap, (order, item))
+        self.size += 1
+
+    def top(self, key: str | None, key_of: Callable[[int, Any], Any]) -> tuple[int, Any] | None:
+        """The oldest live entry under ``key``: ``key_of(order, item)`` is the key the
+        item belongs under now, or ``_STALE``."""
+        heap = self.heaps.get(key)
+        while heap:
+            order, item = heap[0]
+            now = key_of(order, item)
+            if now == key:
+                return order, item
+            heapq.heappop(heap)
+            self.size -= 1
+            self.scanned += 1
+            if now is not _STALE:
+                self.push(now, order, item)
+        return None
+
+    def oldest(self, key: str, key_of: Callable[[int, Any], Any]) -> tuple[int, Any] | None:
+        """The oldest live entry under ``key`` or under None (any stage)."""
+        mine, any_stage = self.top(key, key_of), self.top(None, key_of)
+        if mine is None or (any_stage is not None and any_stage[0] < mine[0]):
+            return any_stage
+        return mine
+
 
 class _Consumer:
     """One waiting consumer: what it wants, and the event that wakes it."""
@@ -128,7 +190,8 @@ class Deliveries:
         #: Every queue here whose oldest entry is taken is an OrderedDict: a plain
         #: dict finds its first key by skipping the holes its deleted keys left, which
         #: made each dispatch of a burst cost O(requests dispatched before it).
-        self._unheld: OrderedDict[str, None] = OrderedDict()
+        self._unheld: OrderedDict[str, int] = OrderedDict()  # request id -> its turn
+        self._turns = itertools.count()
         #: Told when a delivery that holds a window charge leaves the queue.
         #: request id -> {stage filter (None: every stage) -> streams/receives holding it}
         self._holds: dict[str, dict[str | None, int]] = {}
@@ -144,6 +207,13 @@ class Deliveries:
         #: reach the top; a request let go pushes its deliveries again. None while
         #: nothing is held (or after too many stale entries: rebuilt when needed).
         self._free: list[tuple[int, Delivery]] | None = None
+        #: Built when a consumer first filters on stages (None until then, or after
+        #: it went mostly stale): the unheld requests by the stage of their first
+        #: delivery, as (turn, request id) — for ``requests(from_stage=…)`` — and the
+        #: unheld deliveries by stage, as (seq, delivery) — for unscoped consumers
+        #: with ``from_stage``. Both O(log n) whatever other stages left queued.
+        self._requests_of: _Filed | None = None
+        self._deliveries_of: _Filed | None = None
         #: What deliveries reply through (the endpoint; set by it).
         self.replier: Any = None
 
@@ -162,13 +232,19 @@ class Deliveries:
         queue = self._by_request.get(rid)
         if queue is None:
             queue = self._by_request[rid] = OrderedDict()
+            queue[seq] = delivery
             if rid not in self._holds:
-                self._unheld[rid] = None
-        queue[seq] = delivery
-        if notice and not self._held(delivery):
-            self._note(seq)
-        if self._free is not None and not self._held(delivery):
-            self._push_free(seq, delivery)
+                if self._requests_of is None:
+                    self._unheld[rid] = next(self._turns)  # _line_up's common case
+                else:
+                    self._line_up(rid)
+        else:
+            queue[seq] = delivery
+        indexed = self._free is not None or self._deliveries_of is not None
+        if (notice or indexed) and not self._held(delivery):
+            if notice:
+                self._note(seq)
+            self._unheld_delivery(seq, delivery)
         for consumer in self._scoped.get(rid, ()):
             if consumer.stage_ok(delivery):
                 consumer.event.set()
@@ -224,16 +300,32 @@ class Deliveries:
         (or an ``aborted`` one: whatever stage it names, as for scoped consumers)."""
         if from_stage is None:
             return next(iter(self._unheld), None)  # O(1)
-        scanned = 0
-        try:
-            for rid in self._unheld:
-                scanned += 1
-                first = next(iter(self._by_request[rid].values()))
-                if first.from_stage == from_stage or first.kind == "aborted":
-                    return rid
-            return None
-        finally:
-            self.core.counters["deliveries_scanned"] += scanned
+        index = self._requests_of
+        if index is None:
+            index = self._requests_of = _Filed()
+            for rid, turn in self._unheld.items():
+                index.push(_stage_key(next(iter(self._by_request[rid].values()))), turn, rid)
+            index.scanned += len(self._unheld)
+        found = index.oldest(from_stage, self._request_key)
+        self.core.counters["deliveries_scanned"] += index.scanned
+        index.scanned = 0
+        return None if found is None else found[1]
+
+    def _request_key(self, turn: int, rid: str) -> object:
+        """Where the unheld request ``rid`` filed at ``turn`` belongs in
+        ``_requests_of`` now (its first delivery changes as deliveries are taken)."""
+        if self._unheld.get(rid) != turn:
+            return _STALE  # held since, taken, or in the line again at a later turn
+        return _stage_key(next(iter(self._by_request[rid].values())))
+
+    def _line_up(self, rid: str) -> None:
+        """``rid`` (with deliveries queued) is held by nobody now: to the back of the line."""
+        turn = self._unheld[rid] = next(self._turns)
+        index = self._requests_of
+        if index is not None:
+            index.push(_stage_key(next(iter(self._by_request[rid].values()))), turn, rid)
+            if index.size > 2 * len(self._unheld) + 64:
+                self._requests_of = None  # mostly stale: built again when needed
 
     async def _wait(self, consumer: _Consumer, timeout: float | None) -> Delivery:
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -278,15 +370,22 @@ class Deliveries:
             if not self._holds:
                 return next(iter(self._all.items()), None)  # the common case: O(1)
             return self._oldest_unheld()
-        scanned = 0
-        try:
+        index = self._deliveries_of
+        if index is None:
+            index = self._deliveries_of = _Filed()
             for seq, d in self._all.items():
-                scanned += 1
-                if not self._held(d) and consumer.stage_ok(d):
-                    return seq, d
-            return None
-        finally:
-            self.core.counters["deliveries_scanned"] += scanned
+                if not self._held(d):
+                    index.push(_stage_key(d), seq, d)
+            index.scanned += len(self._all)
+        found = index.oldest(consumer.from_stage, self._delivery_key)
+        self.core.counters["deliveries_scanned"] += index.scanned
+        index.scanned = 0
+        return found
+
+    def _delivery_key(self, seq: int, d: Delivery) -> object:
+        if self._all.get(seq) is not d or self._held(d):
+            return _STALE
+        return _stage_key(d)
 
     def _oldest_unheld(self) -> tuple[int, Delivery] | None:
         """The oldest delivery nobody holds, while some request is held: the top of
@@ -308,15 +407,19 @@ class Deliveries:
             if scanned:
                 self.core.counters["deliveries_scanned"] += scanned
 
-    def _push_free(self, seq: int, d: Delivery) -> None:
-        """Add an unheld delivery to the heap, if there is one; a heap mostly of stale
-        entries is dropped, to be rebuilt by the next consumer that needs it."""
+    def _unheld_delivery(self, seq: int, d: Delivery) -> None:
+        """``d`` is queued and nobody holds it: into the indexes there are. One mostly
+        of stale entries is dropped, to be rebuilt by the next consumer that needs it."""
         free = self._free
-        if free is None:
-            return
-        heapq.heappush(free, (seq, d))
-        if len(free) > 2 * len(self._all) + 64:
-            self._free = None
+        if free is not None:
+            heapq.heappush(free, (seq, d))
+            if len(free) > 2 * len(self._all) + 64:
+                self._free = None
+        index = self._deliveries_of
+        if index is not None:
+            index.push(_stage_key(d), seq, d)
+            if index.size > 2 * len(self._all) + 64:
+                self._deliveries_of = None
 
     def _take(self, seq: int, d: Delivery) -> Delivery:
         self._remove(seq, d)
@@ -330,10 +433,16 @@ class Deliveries:
         del self._all[seq]
         rid = d.request_id
         queue = self._by_request[rid]
+        index = self._requests_of
+        was_first = index is not None and next(iter(queue)) == seq
         del queue[seq]
         if not queue:
             del self._by_request[rid]
             self._unheld.pop(rid, None)
+        elif was_first and index is not None and rid in self._unheld:
+            now = _stage_key(next(iter(queue.values())))
+            if now != _stage_key(d):  # its first delivery is another stage's now
+                index.push(now, self._unheld[rid], rid)
         if d.cause == "unclaimed" and self._tombstones.get(rid) == seq:
             del self._tombstones[rid]
 
@@ -364,16 +473,16 @@ class Deliveries:
             if not holds:
                 del self._holds[request_id]
                 if request_id in self._by_request:
-                    self._unheld[request_id] = None  # to the back of the line
+                    self._line_up(request_id)
                     for seq, d in self._by_request[request_id].items():
                         if d._budget is None and d._window is None and d.kind in TERMINAL:
                             self._note(seq)  # a notice its holder left: nobody's now
             if not self._holds:
                 self._free = None  # nothing held: the queue's head is the oldest
-            elif self._free is not None:
+            if self._free is not None or self._deliveries_of is not None:
                 for seq, d in self._by_request.get(request_id, {}).items():
                     if not self._held(d):
-                        self._push_free(seq, d)
+                        self._unheld_delivery(seq, d)
         queued = self._by_request.get(request_id)
         if wake and queued and self._unscoped:  # what it held is anybody's now
             for d in queued.values():
@@ -386,8 +495,10 @@ class Deliveries:
 
     def _note(self, seq: int) -> None:
         """Remember the notice ``seq`` of a request nobody holds; drop the oldest such
-        notice beyond ``_NOTICES`` (one nobody holds by then: a held one is its
-        consumer's). Amortized O(1): each entry comes out once."""
+        notice beyond ``_NOTICES`` if it is all its request has queued and nobody holds
+        it by then (a held one is its consumer's; one after queued deliveries ends
+        them, and those are bounded by the budget and the windows). Amortized O(1):
+        each entry comes out once."""
         notices = self._notices
         notices[seq] = None
         while len(notices) > _NOTICES:
@@ -395,6 +506,8 @@ class Deliveries:
             old = self._all.get(old_seq)
             if old is None or self._held(old):
                 continue  # taken already, or held since
+            if next(iter(self._by_request[old.request_id])) != old_seq:
+                continue  # it ends deliveries of its request still queued: theirs to keep
             self._remove(old_seq, old)
             self.core.counters["notices_dropped"] += 1
             self.core.noisy.warning(
@@ -450,7 +563,7 @@ class Deliveries:
         tombstone = Delivery("error", rid, d.from_stage, d.chunk_id, error=error, cause="unclaimed")
         tombstone._replier = self.replier
         self._all[seq] = tombstone  # in its place: order holds
-        self._push_free(seq, tombstone)
+        self._unheld_delivery(seq, tombstone)
         self._by_request[rid][seq] = tombstone
         self._tombstones[rid] = seq
         self.core.noisy.warning("unclaimed", "%s: %s", self.core.name, error)
@@ -469,6 +582,7 @@ class Deliveries:
         self._unheld.clear()
         self._tombstones.clear()
         self._free = None
+        self._requests_of = self._deliveries_of = None
         for consumer in [*self._unscoped, *(c for cs in self._scoped.values() for c in cs)]:
             consumer.event.set()
 
