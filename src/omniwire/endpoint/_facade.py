@@ -495,6 +495,8 @@ class Endpoint(Receiving):
 
     def _on_forgotten(self, name: str) -> None:
         self._sender.forget(name)
+        if self._core.observer is not None:
+            self._core.observer.peer_forgotten(self._core.name, name)
 
     def _on_broken(self, name: str, error: OmniwireError) -> None:
         """What was queued to ``name`` could not be sent: it is lost (nothing is

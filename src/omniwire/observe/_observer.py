@@ -69,6 +69,10 @@ class Observer:
     def taken(self, endpoint: str, delivery: Delivery) -> None:
         """The application took ``delivery`` (``receive``, a stream, ``async for``)."""
 
+    def peer_forgotten(self, endpoint: str, peer: str) -> None:
+        """``endpoint`` forgot the gone peer ``peer`` (its table keeps the last 256
+        gone peers): what is kept per peer can go."""
+
 
 class Observers(Observer):
     """Several observers as one (``Endpoint(observer=[a, b])``)."""
@@ -115,6 +119,10 @@ class Observers(Observer):
     def taken(self, endpoint: str, delivery: Delivery) -> None:
         for o in self.observers:
             o.taken(endpoint, delivery)
+
+    def peer_forgotten(self, endpoint: str, peer: str) -> None:
+        for o in self.observers:
+            o.peer_forgotten(endpoint, peer)
 
 
 def as_observer(value: Observer | Sequence[Observer] | None) -> Observer | None:

@@ -20,7 +20,8 @@ Metrics (labels in braces; an *edge* is ``endpoint`` → ``peer``)::
     omniwire_events_total{endpoint,event}                         ``Endpoint.counters``
 
 ``peer`` is the peer at the other end of the connection, also for an aborted
-delivery whose abort began further away (``Delivery.via``). ``cause`` is one
+delivery whose abort began further away (``Delivery.via``). A peer's series are
+removed when its endpoint forgets it (the last 256 gone peers are remembered). ``cause`` is one
 vocabulary for both sides (:func:`cause_of`): ``aborted``, ``peer_lost``,
 ``peer_closed``, ``refused``, ``timeout``, ``no_route``, ``handshake``, ``closed``,
 ``backend_error``, ``unclaimed`` (a delivery no consumer came for) and ``error``
@@ -227,6 +228,21 @@ class PrometheusObserver(Observer):
         wait = time.monotonic() - delivery.received_at
         peer = delivery.via or delivery.from_stage
         self.delivery_wait.labels(endpoint, peer, delivery.kind).observe(wait)
+
+    def peer_forgotten(self, endpoint: str, peer: str) -> None:
+        """Its series go (a stage whose peers come and go under new names keeps those
+        of the peers its table remembers)."""
+        edge = {"endpoint": endpoint, "peer": peer}
+        for metric in (
+            self.sent_objects,
+            self.sent_bytes,
+            self.send_latency,
+            self.received_objects,
+            self.received_bytes,
+            self.delivery_wait,
+            self.credit_wait,
+        ):
+            metric.remove_by_labels(edge)
 
 
 class _StateCollector(Collector):
