@@ -556,3 +556,42 @@ async def test_a_client_with_the_wrong_key_is_logged_at_a_bounded_rate(
         assert counter(intruder, "auth_failed") + counter(victim, "auth_failed") >= 2
         records = _omniwire_records(caplog, mark)
         assert len(records) <= 10, (len(records), records[:3])
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("kind", ["payload", "stream_chunk"])
+@pytest.mark.parametrize("exc_type", [MemoryError, KeyError, AssertionError])
+async def test_a_receiving_backend_failing_in_any_way_reaches_the_application(
+    monkeypatch: pytest.MonkeyPatch, kind: str, exc_type: type[BaseException]
+) -> None:
+    """Was: a read that failed with an exception outside the few the receiver knew
+    (OmniwireError, TypeError, ValueError, RuntimeError, OSError) was NACKed to its
+    sender but never told to the receiving application: a payload's consumer waited
+    for ever, and a stream lost the chunk and then ended cleanly, as if nothing was
+    missing. Every failure of a read is now an ``error`` delivery of its request."""
+    from omniwire.backends.shm._backend import ShmBackend
+
+    real = ShmBackend.import_
+
+    async def failing(self: ShmBackend, *args: Any) -> Any:
+        if self.ctx.endpoint == "b":
+            raise exc_type("injected")
+        return await real(self, *args)
+
+    monkeypatch.setattr(ShmBackend, "import_", failing)
+    async with (
+        Endpoint("b", address=addr("b")) as b,
+        Endpoint("a", address=addr("a"), peers={"b": b.address}, routes={"b": "shm"}) as a,
+    ):
+        await a.wait_peer("b", 10)
+        big = torch.ones(1 << 18)  # 1 MiB: by shm
+        if kind == "payload":
+            receipt = await a.send("b", big, request_id="r1")
+        else:
+            receipt = await a.stream("b", big, request_id="r1")
+            await a.end_stream("b", request_id="r1")
+        with pytest.raises(Exception, match="injected"):
+            await receipt.wait(10)
+        d = await b.receive(5, request_id="r1")
+        assert d.kind == "error"
+        assert exc_type.__name__ in (d.error or "")

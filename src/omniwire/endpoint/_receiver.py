@@ -215,13 +215,22 @@ class Receiver:
     async def _take_next(self, peer: Peer) -> None:
         item = peer.inbox.popleft()
         peer.busy = True
+        made = self._made
         try:
             await self.take(peer, item)
-        except Exception as exc:  # a bug must not stop the peer's inbox
+        except Exception as exc:  # a bug must not stop the peer's inbox, nor lose the item
             self.core.counters["internal_errors"] += 1
             log.exception("%s: failed to take data from %s", self.core.name, peer.name)
-            if isinstance(item, InRecord):
-                self.finish(peer, item, "internal", f"receiver error: {type(exc).__name__}")
+            why = f"receiver error: {type(exc).__name__}: {exc}"
+            record = item if isinstance(item, InRecord) else None
+            if self._made == made:  # nothing of it reached the application: say so
+                if record is not None:
+                    self.finish(peer, record, "internal", why)
+                msg = record.msg if record is not None else item
+                assert isinstance(msg, wire.DataReadyMessage)
+                self._deliver(_error(peer, msg, why), notice=True)
+            elif record is not None and not record.lent:
+                self.finish(peer, record)  # delivered: acknowledged
         finally:
             peer.busy = False
 
@@ -409,8 +418,10 @@ class Receiver:
                     raise
             except Exception as exc:
                 failure = nack_of(exc)
-                if failure is None:
-                    raise
+                if failure is None:  # not a failure a read may have: a bug, still reported
+                    self.core.counters["internal_errors"] += 1
+                    log.exception("%s: reading object from %s failed", self.core.name, peer.name)
+                    failure = "internal", f"receiver error: {type(exc).__name__}: {exc}"
             finally:
                 peer.current_take = None
         aborted = self.core.aborts.is_aborted(msg.request_id)
