@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import sys
 import time
 from collections import OrderedDict
 from multiprocessing import shared_memory
@@ -664,6 +665,57 @@ async def test_aborts_of_unseen_requests_queue_nothing() -> None:
         await _still_serves(victim, friend, "after")
 
 
+@pytest.mark.asyncio
+async def test_an_abort_of_a_request_never_seen_looks_at_no_peer() -> None:
+    """Was: every abort walked every peer of the table twice (the sender's streams and
+    receipts, the receiver's inboxes), seen or not: with 252 peers an abort cost 142 µs
+    of the event loop, so a batch of 4,096 aborts of made-up ids (255 KiB) held it
+    583 ms. An abort now looks only at the peers that saw its request."""
+    async with pair() as (a, b):
+        walks: list[str] = []
+        real = a._peers.all
+
+        def counted() -> list[Any]:
+            caller = sys._getframe(1).f_code.co_name
+            if caller == "on_abort":
+                walks.append(caller)
+            return real()
+
+        a._peers.all = counted  # type: ignore[method-assign]
+        await (await a.send("b", {"i": 1}, request_id="seen")).wait(10)
+        for i in range(50):
+            await b.abort(f"never-{i}")
+        await b.abort("seen")
+        with anyio.fail_after(10):
+            while not a._core.aborts.is_aborted("seen"):
+                await anyio.sleep(0.02)
+        assert walks == []
+
+
+def test_remembered_aborts_and_requests_are_bounded_in_bytes_and_keep_the_active() -> None:
+    """Was: the remembered aborts were bounded in count only (65,536), each with its
+    origin and reason in full: a peer sending aborts of 1 KiB ids with 4 KiB reasons
+    made an endpoint hold 343 MiB. And the requests → peers index forgot the oldest
+    request first, even one still streaming: after 65,536 newer requests its abort
+    no longer reached its peers."""
+    from omniwire.endpoint._aborts import ABORT_MEMORY_BYTES, Aborts
+
+    aborts = Aborts()
+    for i in range(4000):
+        aborts.remember(f"{i:04d}" + "x" * 1020, "o" * 256, "r" * 4096)
+    assert aborts.is_aborted(f"{3999:04d}" + "x" * 1020)
+    held = sum(len(k) + len(v) for k, v in aborts._aborted.items())
+    assert held <= ABORT_MEMORY_BYTES
+    assert "r" * 100 in str(aborts.error(f"{3999:04d}" + "x" * 1020))  # the why, shortened
+    small = Aborts(memory=4)
+    for rid in ("r0", "r1", "r2", "r3"):
+        small.note_peer(rid, "p")
+    small.note_peer("r0", "p")  # still active
+    small.note_peer("r4", "p")
+    assert small.seen("r0")
+    assert not small.seen("r1")
+
+
 class _Queued:
     """An inbox item that counts how often its request id is read."""
 
@@ -695,6 +747,7 @@ async def test_an_abort_looks_only_at_the_queued_items_of_its_request() -> None:
             queued.insert(500, doomed)
             for item in queued:
                 peer.inbox.append(item)
+            b._core.aborts.note_peer("doomed", "a")  # as on_data_ready notes what it queues
             before = _Queued.reads
             for k in range(100):
                 b._receiver.on_abort(f"stray-{k}", "c", "", notify=True)

@@ -14,16 +14,21 @@ from __future__ import annotations
 
 import contextlib
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Iterator, Set
 
 import anyio
 
 from ..errors import RequestAbortedError
 
-__all__ = ["ABORT_MEMORY", "Aborts", "SendGuard"]
+__all__ = ["ABORT_MEMORY", "ABORT_MEMORY_BYTES", "Aborts", "SendGuard"]
 
 #: How many aborted request ids (and request → peers entries) an endpoint remembers.
 ABORT_MEMORY = 65536
+#: ... and how many bytes of ids and reasons, at most, in each (request ids may be
+#: 1 KiB: 65,536 of them, with their reasons in full, were 343 MiB).
+ABORT_MEMORY_BYTES = 8 << 20
+#: The reason of an abort is remembered (for the error of a later send) up to this.
+_WHY_CHARS = 256
 
 
 class SendGuard:
@@ -47,7 +52,10 @@ class Aborts:
     def __init__(self, memory: int = ABORT_MEMORY) -> None:
         self.memory = memory
         self._aborted: OrderedDict[str, str] = OrderedDict()  # request id -> why (origin: reason)
+        self._aborted_bytes = 0
+        #: request id -> the peers that saw it, the least recently active first
         self._peers_of: OrderedDict[str, set[str]] = OrderedDict()
+        self._peers_of_bytes = 0
         self._guards: dict[str, set[SendGuard]] = {}
 
     # -- guards ------------------------------------------------------------------
@@ -93,12 +101,16 @@ class Aborts:
 
     def remember(self, request_id: str, origin: str, reason: str = "") -> bool:
         """Record an abort; True the first time this request id is aborted."""
-        first = request_id not in self._aborted
+        aborted = self._aborted
+        first = request_id not in aborted
         if first:
-            self._aborted[request_id] = f"by {origin!r}" + (f": {reason}" if reason else "")
-        self._aborted.move_to_end(request_id)
-        while len(self._aborted) > self.memory:
-            self._aborted.popitem(last=False)
+            why = f"by {_clip(origin, 64)!r}" + (f": {_clip(reason, _WHY_CHARS)}" if reason else "")
+            aborted[request_id] = why
+            self._aborted_bytes += len(request_id) + len(why)
+        aborted.move_to_end(request_id)
+        while len(aborted) > self.memory or self._aborted_bytes > ABORT_MEMORY_BYTES:
+            rid, why = aborted.popitem(last=False)
+            self._aborted_bytes -= len(rid) + len(why)
         return first
 
     def error(self, request_id: str) -> RequestAbortedError:
@@ -109,17 +121,37 @@ class Aborts:
     def note_peer(self, request_id: str, peer: str) -> None:
         """``peer`` has seen ``request_id``: we sent it data of it, or it sent us some.
         An abort of the request must reach it (spec §7.5)."""
-        peers = self._peers_of.get(request_id)
+        peers_of = self._peers_of
+        peers = peers_of.get(request_id)
         if peers is None:
-            peers = self._peers_of[request_id] = set()
-            while len(self._peers_of) > self.memory:
-                self._peers_of.popitem(last=False)
+            peers = peers_of[request_id] = set()
+            self._peers_of_bytes += len(request_id)
+            while len(peers_of) > self.memory or self._peers_of_bytes > ABORT_MEMORY_BYTES:
+                rid, _ = peers_of.popitem(last=False)
+                self._peers_of_bytes -= len(rid)
+        elif next(reversed(peers_of)) != request_id:
+            peers_of.move_to_end(request_id)  # still active: forgotten last
         peers.add(peer)
 
     def seen(self, request_id: str) -> bool:
         """Whether data of ``request_id`` went through this endpoint (to or from a peer)."""
         return request_id in self._peers_of
 
+    def involved(self, request_id: str) -> Set[str]:
+        """The peers that have seen ``request_id`` through this endpoint (kept)."""
+        return self._peers_of.get(request_id, _NONE)
+
     def peers_of(self, request_id: str) -> set[str]:
         """The peers that have seen ``request_id`` through this endpoint (forgotten after)."""
-        return self._peers_of.pop(request_id, set())
+        peers = self._peers_of.pop(request_id, None)
+        if peers is None:
+            return set()
+        self._peers_of_bytes -= len(request_id)
+        return peers
+
+
+_NONE: frozenset[str] = frozenset()
+
+
+def _clip(text: str, chars: int) -> str:
+    return text if len(text) <= chars else text[: chars - 1] + "…"

@@ -577,7 +577,10 @@ class Receiver:
         consumer holding it: an abort of a request never seen here costs nothing but
         its remembered id (so its late data is still refused)."""
         seen = self.core.aborts.seen(request_id)
-        for peer in self.peers.all():
+        for name in self.core.aborts.involved(request_id):  # only they sent us any of it
+            peer = self.peers.get(name)
+            if peer is None:
+                continue
             for item in peer.inbox.of_request(request_id):
                 if isinstance(item, InRecord):
                     self.refuse(peer, item, "aborted", "request aborted")

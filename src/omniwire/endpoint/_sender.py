@@ -642,8 +642,12 @@ class Sender:
 
     def on_abort(self, request_id: str, error: RequestAbortedError) -> None:
         """Fail the receipts of the request (the buffers wait for the peers' NACKs) and
-        forget its streams: no chunk of it goes anywhere again."""
-        for peer in self.peers.all():
+        forget its streams: no chunk of it goes anywhere again. Only the peers we sent
+        data of it to can hold any (an abort of a request never seen costs nothing)."""
+        for name in self.core.aborts.involved(request_id):
+            peer = self.peers.get(name)
+            if peer is None:
+                continue
             peer.chunk_ids.pop(request_id, None)
             for record in peer.session.outbound_of(request_id):
                 record.fail(error)
