@@ -595,3 +595,48 @@ async def test_a_receiving_backend_failing_in_any_way_reaches_the_application(
         d = await b.receive(5, request_id="r1")
         assert d.kind == "error"
         assert exc_type.__name__ in (d.error or "")
+
+
+@pytest.mark.asyncio
+async def test_a_progressive_send_cancelled_after_its_announce_does_not_stall_the_edge() -> None:
+    """Was: cancelling a send while the later pieces of its progressive object were
+    packed left the object announced and never completed. The receiver's take waited
+    for progress until ``ack_timeout``, and every later object of that peer waited
+    behind it; the sender counted the missed ACK against the peer. Three such cancels
+    and a healthy peer was declared lost. An announced object is now finished whatever
+    its caller does (its pieces are a bounded copy)."""
+    import asyncio
+
+    async with (
+        Endpoint("b", address=addr("b"), zero_copy=False, ack_timeout=3) as b,
+        Endpoint(
+            "a",
+            address=addr("a"),
+            peers={"b": b.address},
+            routes={"b": "shm"},
+            ack_timeout=3,
+        ) as a,
+    ):
+        await a.wait_peer("b", 10)
+        big = torch.ones(96 << 20, dtype=torch.uint8)
+
+        def publishing() -> bool:  # announced (16 MiB pieces), the later ones not all out
+            peer = a._peers.get("b")
+            assert peer is not None
+            return any(r.ready < r.length for r in peer.session.outbound.values())
+
+        for i in range(2):
+            task = asyncio.ensure_future(a.send("b", {"x": big}, request_id=f"big{i}"))
+            with anyio.fail_after(10):
+                while not publishing():
+                    await asyncio.sleep(0)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+        receipt = await a.send("b", {"y": torch.ones(16)}, request_id="small")
+        with anyio.fail_after(2):  # not ack_timeout (3 s) behind a stalled object
+            await receipt.wait()
+            got = []
+            while "small" not in got:
+                got.append((await b.receive()).request_id)
+        assert a.counters["peers_lost"] == 0

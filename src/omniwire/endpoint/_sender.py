@@ -578,8 +578,40 @@ class Sender:
         stats.count += 1
         stats.nbytes += nbytes
         if len(points) > 1:
-            await publish_rest(self.core, peer, record, enc.tensors, layout, points)
+            await self._publish_rest(peer, record, enc.tensors, layout, points)
         return record.receipt
+
+    async def _publish_rest(
+        self,
+        peer: Peer,
+        record: OutRecord,
+        tensors: list[torch.Tensor],
+        layout: packing.PackPlan,
+        points: list[int],
+    ) -> None:
+        """:func:`publish_rest` of an announced object, in a task of its own: it is
+        finished whatever its caller does (a bounded copy, piece by piece, that stops
+        at a NACK or a lost peer). Left half-published by a cancelled caller — an
+        anyio scope or a plain ``Task.cancel()`` — it held its receiver's take, and
+        every later object of the peer, until ``ack_timeout``, and counted as a
+        missed ACK against a healthy peer."""
+        failure: list[Exception] = []
+        done = anyio.Event()
+
+        async def publish() -> None:
+            try:
+                await publish_rest(self.core, peer, record, tensors, layout, points)
+            except Exception as exc:
+                failure.append(exc)
+            finally:
+                done.set()
+
+        if not self.core.supervisor.spawn(publish):  # closing: no background task
+            await publish_rest(self.core, peer, record, tensors, layout, points)
+            return
+        await done.wait()
+        if failure:
+            raise failure[0]
 
     async def _credit(self, peer: Peer, record: OutRecord) -> None:
         credits = peer.credits

@@ -43,11 +43,12 @@ class Supervisor:
         self._loop = asyncio.get_running_loop()
         self._running = True
 
-    def spawn(self, fn: Callable[..., Awaitable[Any]], *args: Any) -> None:
+    def spawn(self, fn: Callable[..., Awaitable[Any]], *args: Any) -> bool:
         """Run ``fn(*args)`` in the background until it returns or the endpoint closes.
-        Callable from a task or from a loop callback; nothing starts once closing."""
+        Callable from a task or from a loop callback; nothing starts once closing
+        (returns False then)."""
         if not self._running or self._loop is None:
-            return
+            return False
 
         async def guarded() -> None:
             try:
@@ -61,6 +62,7 @@ class Supervisor:
         task = self._loop.create_task(guarded(), name=f"omniwire:{self.owner}:{fn.__name__}")
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        return True
 
     async def aclose(self, timeout: float) -> None:
         """Cancel every task and wait for them, at most ``timeout`` seconds (shielded)."""
