@@ -149,3 +149,53 @@ async def test_a_dropped_copy_mode_delivery_gives_its_receive_buffer_back() -> N
                 del d
                 await receipt.wait()
         assert pool.blocks_created == 1
+
+
+@pytest.mark.asyncio
+async def test_a_send_cancelled_natively_while_its_segment_is_made_leaks_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Was: a send cancelled with a plain ``Task.cancel()`` (``asyncio.wait_for``, a
+    ``TaskGroup``) while its arena or dedicated segment was being created in a worker
+    thread returned at once; the thread then made the segment, which nobody attached
+    or dropped: a 64 MiB memfd left in /dev/shm past both endpoints' close (7 of 10
+    such sends in a probe). What a cancelled call makes is now freed."""
+    import asyncio
+    import threading
+    import time
+
+    from omniwire.backends.shm._backend import ShmBackend
+
+    real = ShmBackend._new_segment
+    made = threading.Event()
+
+    def slow(self: ShmBackend, size: int) -> Any:
+        time.sleep(0.3)  # the caller is cancelled meanwhile
+        try:
+            return real(self, size)
+        finally:
+            made.set()
+
+    monkeypatch.setattr(ShmBackend, "_new_segment", slow)
+    mine = f"omniwire-{os.getpid()}-"
+    before = {p for p in os.listdir(SHM_DIR) if p.startswith(mine)}
+    for small_arena in (False, True):  # the arena; then a dedicated segment (8 MiB)
+        options = {"shm": {"arena_size": 1 << 20}} if small_arena else {}
+        made.clear()
+        async with (
+            Endpoint("b", address=ipc_address("b")) as b,
+            Endpoint(
+                "a",
+                address=ipc_address("a"),
+                peers={"b": b.address},
+                routes={"b": "shm"},
+                backend_options=options,
+            ) as a,
+        ):
+            await a.wait_peer("b", 10)
+            with pytest.raises(asyncio.TimeoutError):
+                await asyncio.wait_for(a.send("b", torch.ones(2 << 20), request_id="x"), 0.05)
+            await anyio.to_thread.run_sync(made.wait, 10)
+            await anyio.sleep(0.1)
+        left = {p for p in os.listdir(SHM_DIR) if p.startswith(mine)} - before
+        assert left == set(), f"left in /dev/shm ({small_arena=}): {left}"

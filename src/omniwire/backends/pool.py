@@ -38,6 +38,7 @@ import anyio
 from ..alloc import BuddyAllocator
 from ..errors import BackendClosedError, BackendError
 from .support import Releaser, mib
+from .threads import make_in_thread
 
 __all__ = ["Lease", "SlotPool"]
 
@@ -219,7 +220,7 @@ class SlotPool(Generic[D]):
         if kept:
             self._kept += 1
         try:
-            buffer = await anyio.to_thread.run_sync(create, size)
+            buffer = await make_in_thread(lambda: create(size), self._destroy or _nothing)
         except BaseException:
             if kept:
                 self._kept -= 1
@@ -379,3 +380,7 @@ class SlotPool(Generic[D]):
             f"{prefix}dedicated_created": self.dedicated_created,
             f"{prefix}kept": self._kept,
         }
+
+
+def _nothing(buffer: object) -> None:
+    """What freeing a buffer without a ``destroy`` takes (it goes with its last user)."""

@@ -34,7 +34,7 @@ from .completion import (
     TransferTimeoutError,
     poll_until,
 )
-from .threads import Threads
+from .threads import Threads, make_in_thread
 
 __all__ = [
     "Completions",
@@ -260,7 +260,10 @@ class RegisteredRecvPool(RecvPool, Generic[H]):
                 raise BackendError(f"cannot map {mib(size)} of host memory: {exc}") from exc
             self.blocks_created += 1
             addr = _block_address(block)
-            handle = await anyio.to_thread.run_sync(self._register, addr, size)
+            unregister = self._unregister
+            handle = await make_in_thread(
+                lambda: self._register(addr, size), lambda h: _drop_block(unregister, h, block)
+            )
             self.registrations += 1
             if not self._keep(addr, handle, size):  # closed meanwhile
                 self._releaser.submit(_drop_block, self._unregister, handle, block)
@@ -464,8 +467,9 @@ class RegistrationCache(Generic[H]):
                 async with self._lock:  # one registration of a storage at a time
                     entry = self._entries.get(key)
                     if entry is None:
-                        handle = await anyio.to_thread.run_sync(
-                            self._register, storage.data_ptr(), storage.nbytes(), t.device
+                        ptr, size = storage.data_ptr(), storage.nbytes()
+                        handle = await make_in_thread(
+                            lambda: self._register(ptr, size, t.device), self._unregister
                         )
                         entry = self._add(key, handle, storage)
         else:

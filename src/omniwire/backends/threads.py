@@ -24,7 +24,7 @@ import anyio
 
 from ..errors import BackendClosedError
 
-__all__ = ["Threads", "settle", "until_ended"]
+__all__ = ["Threads", "make_in_thread", "settle", "until_ended"]
 
 T = TypeVar("T")
 
@@ -66,6 +66,44 @@ async def until_ended(future: asyncio.Future[T], finished: asyncio.Future[None])
         with anyio.CancelScope(shield=True):
             await finished
         raise
+
+
+async def make_in_thread(make: Callable[[], T], orphan: Callable[[T], object]) -> T:
+    """``make()`` in a worker thread, for a call that creates what must be freed (a
+    shared-memory segment, a mapping, an engine registration). anyio's cancel scopes
+    wait for the thread; a plain ``Task.cancel()`` (``asyncio.wait_for``, a
+    ``TaskGroup``) does not: the call then ends at once and the thread runs on. What
+    it makes for a caller that is gone goes to ``orphan`` (to free it), in the worker
+    thread or, if it was made already, here; nothing is left behind either way."""
+    lock = threading.Lock()
+    gone = False
+    made: list[T] = []
+
+    def run() -> T:
+        value = make()
+        with lock:
+            if not gone:
+                made.append(value)
+                return value
+        _orphan(orphan, value)
+        return value
+
+    try:
+        return await anyio.to_thread.run_sync(run)
+    except BaseException:
+        with lock:
+            gone = True
+            left = made[:]
+        for value in left:  # made before the caller was told it was cancelled
+            _orphan(orphan, value)
+        raise
+
+
+def _orphan(orphan: Callable[[T], object], value: T) -> None:
+    try:
+        orphan(value)
+    except Exception:
+        log.exception("freeing what a cancelled call made failed")
 
 
 class Threads:

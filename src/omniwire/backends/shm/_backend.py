@@ -28,6 +28,7 @@ from ..base import (
 )
 from ..pool import SlotPool
 from ..support import decode_blob
+from ..threads import make_in_thread
 from ._blobs import _encoder, _forward_ref_decoder, _ForwardRef, _forwards_hello_decoder, _Hello
 from ._segment import (
     _NAME,
@@ -161,7 +162,9 @@ class ShmBackend(ByteBackend):
         async with self._arena_lock:
             if self._arena is None and not self._arena_error and not self._closed:
                 try:
-                    arena = await anyio.to_thread.run_sync(self._new_segment, self.arena_size)
+                    arena = await make_in_thread(
+                        lambda: self._new_segment(self.arena_size), self._drop_segment
+                    )
                 except ShmFullError as exc:
                     self._arena_error = str(exc)
                     log.warning("shm arena not created: %s; using per-object segments", exc)
@@ -216,8 +219,9 @@ class ShmBackend(ByteBackend):
             # lead to a sealed memfd of the peer's; a plain file is read, never mapped).
             # Read-write, as before: zero-copy views are writable tensors, and a write
             # into a read-only mapping would fault. We never write to it ourselves.
-            opened = await anyio.to_thread.run_sync(
-                open_shared, self.directory, r.segment, peer.pid, True, r.origin
+            opened = await make_in_thread(
+                lambda: open_shared(self.directory, r.segment, peer.pid, True, r.origin),
+                Opened.close,
             )
             segments = self._mapped.get(peer.key)  # None: the peer went meanwhile
             held = segments.get(r.segment) if segments is not None else None
