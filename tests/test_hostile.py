@@ -11,6 +11,7 @@ import secrets
 import socket
 import subprocess
 import tempfile
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -459,3 +460,42 @@ async def test_a_handshake_cut_short_without_a_key_is_not_an_authentication_fail
         assert not [r for r in caplog.records if "credentials" in r.getMessage()]
     finally:
         listener.close()
+
+
+@pytest.mark.asyncio
+async def test_a_peer_bumping_its_epoch_restarts_its_session_at_a_bounded_rate() -> None:
+    """Was: every Hello of an active session with a higher ``epoch`` (spec §10.6) ended
+    the session and built a new one: 339 µs of the event loop per 400-byte frame, 1.3
+    ms advertising ``"ring"`` (a new ring each time), so 750 such Hellos a second took
+    a whole core of the victim. A legitimate bump follows a declared loss, seconds
+    apart; restarts of one peer are now at most one per second, the last Hello held
+    back is applied once that second is over."""
+    from lifecycle_support import DrainedMallory
+
+    async with victim_and_friend() as (victim, friend):
+        m = DrainedMallory(victim.address)
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(m.drain)
+                base = msgspec.structs.replace(m.hello(), wire_max=(1, 1))
+                await m.send(wire.encode(base))
+                with anyio.fail_after(10):
+                    while "mallory" not in victim.peer_names():
+                        await anyio.sleep(0.02)
+                lost = victim.counters["peers_lost"]
+                frames = victim.counters["frames_received"]
+                started = time.monotonic()
+                for i in range(300):
+                    await m.send(wire.encode(msgspec.structs.replace(base, epoch=i + 1)))
+                with anyio.fail_after(20):
+                    while victim.counters["frames_received"] - frames < 300:
+                        await anyio.sleep(0.01)
+                elapsed = time.monotonic() - started
+                assert victim.counters["peers_lost"] - lost <= elapsed / 1.0 + 2
+                with anyio.fail_after(10):  # the last one held back is applied
+                    while victim._peers.get("mallory").session.hello.epoch != 300:  # type: ignore[union-attr]
+                        await anyio.sleep(0.05)
+                await _still_serves(victim, friend, "after")
+                tg.cancel_scope.cancel()
+        finally:
+            m.close()

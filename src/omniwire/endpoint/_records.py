@@ -222,6 +222,9 @@ class Peer:
     connected: bool = False  # our PUSH completed a ZMTP handshake since it was opened
     hello_done: bool = False  # the current Hello was accepted and backends connected
     accepted_at: float = field(default_factory=time.monotonic)
+    #: A Hello that would restart the session too soon after the last one, held back
+    #: until ``RESTART_INTERVAL`` has passed (the latest wins).
+    held_hello: wire.HelloMessage | None = None
     down_since: float | None = None
     reason: str = ""  # why it was lost or closed
     refusal: PeerRefusedError | None = None

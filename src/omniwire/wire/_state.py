@@ -207,19 +207,28 @@ class Session(Generic[O, I]):
                 f"{msg.wire_max[0]}.{msg.wire_max[1]}; this endpoint speaks "
                 f"{WIRE_VERSION[0]}.0–{WIRE_VERSION[0]}.{WIRE_VERSION[1]}"
             )
-        previous, was_closed = self.hello, self.state is PeerState.CLOSED
+        previous, restarts = self.hello, self.restarts(msg)
+        was_closed = self.state is PeerState.CLOSED
         self.hello = msg
         self.version = version
         self.state = PeerState.ACTIVE
         if previous is None or was_closed:
             return HelloOutcome.NEW, [], []
-        same = previous.instance == msg.instance and previous.process_token == msg.process_token
-        if same and msg.epoch <= previous.epoch:
+        if not restarts:
             return HelloOutcome.DUPLICATE, [], []
         # a new instance, or the same one that gave our session up (it declared us
         # lost while we did not notice, §10.6): either way its old objects are gone
         lost_out, lost_in = self._take_all()
         return HelloOutcome.RESTART, lost_out, lost_in
+
+    def restarts(self, msg: HelloMessage) -> bool:
+        """Whether :meth:`on_hello` of ``msg`` would end an active session: another
+        instance, or the same one with a higher ``epoch`` (§10.6)."""
+        previous = self.hello
+        if previous is None or self.state is PeerState.CLOSED:
+            return False
+        same = previous.instance == msg.instance and previous.process_token == msg.process_token
+        return not (same and msg.epoch <= previous.epoch)
 
     def on_goodbye(self, msg: GoodbyeMessage) -> tuple[list[O], list[I]]:
         """Apply a Goodbye: the peer closed; returns every object in flight with it."""
