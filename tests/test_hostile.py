@@ -25,7 +25,7 @@ import zmq.asyncio
 from omniwire import wire
 from omniwire.backends.shm import Segment
 from omniwire.endpoint import Endpoint
-from omniwire.errors import HandshakeError, ShmFullError
+from omniwire.errors import AckTimeoutError, HandshakeError, ShmFullError
 
 pytestmark = pytest.mark.asyncio
 
@@ -497,5 +497,30 @@ async def test_a_peer_bumping_its_epoch_restarts_its_session_at_a_bounded_rate()
                         await anyio.sleep(0.05)
                 await _still_serves(victim, friend, "after")
                 tg.cancel_scope.cancel()
+        finally:
+            m.close()
+
+
+@pytest.mark.asyncio
+async def test_a_huge_window_does_not_let_a_peer_that_never_reads_pin_our_memory(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Was: a sender took the window a receiver advertised in its Hello at its word:
+    a peer granting 2**64-1 bytes that never read its socket had 1,500 inline sends
+    of 1 MiB (2.3 GiB) queued for it, for as long as ZeroMQ's heartbeats kept the
+    link up. A sender now uses at most ``SEND_WINDOW_MAX`` of any window."""
+    monkeypatch.setattr("omniwire.endpoint._peers.SEND_WINDOW_MAX", 4 << 20)
+    async with Endpoint("victim", address=addr("victim"), ack_timeout=0.5) as victim:
+        m = Mallory(victim.address)
+        try:
+            hello = msgspec.structs.replace(m.hello(), wire_max=(1, 1), window=2**64 - 1)
+            await m.send(wire.encode(hello))
+            await victim.wait_peer("mallory", 10)
+            sent = 0
+            with pytest.raises(AckTimeoutError):
+                for i in range(20):
+                    await victim.send("mallory", {"b": b"x" * (1 << 20)}, request_id=f"r{i}")
+                    sent += 1
+            assert sent <= 5
         finally:
             m.close()

@@ -65,6 +65,10 @@ _TOMBSTONES = 256  # lost/closed peers remembered (for their error messages)
 #: epochs made each one tear the session down and build it again (0.3–1.3 ms of the
 #: event loop per 400-byte frame).
 RESTART_INTERVAL = 1.0
+#: The most of a peer's window (spec §7.6) this endpoint uses, whatever the peer
+#: grants: what is charged to it is ours to hold until the peer reads it (a peer
+#: granting 2**64-1 bytes that never read its socket pinned gigabytes here).
+SEND_WINDOW_MAX = 64 << 20
 
 
 class PeerTable:
@@ -202,7 +206,7 @@ class PeerTable:
             reason = "it restarted" if restarted else "it had declared us lost (a partition)"
             self._end(peer, lost_out, lost_in, PeerStatus.LOST, reason, PeerLostError)
         if outcome is not wire.HelloOutcome.DUPLICATE:
-            peer.window = Window(hello.window)
+            peer.window = Window(min(hello.window, SEND_WINDOW_MAX))
             peer.rwindow = ReceiveWindow(self.core.config.receive_window)
             peer.ack_timeouts = 0
             peer.generation += 1
