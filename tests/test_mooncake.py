@@ -904,3 +904,36 @@ async def test_a_fan_out_to_two_mooncake_peers_packs_one_buffer_both_read() -> N
                 await receipt.wait()
         assert a.counters["bytes_packed"] - packed == t.nbytes  # once, not per target
         assert mc.stats().exports == 0  # released with the last ACK
+
+
+@pytest.mark.asyncio
+async def test_a_fetch_cancelled_natively_unregisters_the_callers_memory() -> None:
+    """Was: a fetch into the caller's tensor (registered for the read) cancelled with a
+    plain ``Task.cancel()`` returned once its read ended — and left the tensor
+    registered with the engine for good: 19 of 20 such fetches in a probe, and then
+    every fetch into fresh memory at those addresses failed (code -7, overlap). A read
+    that ended is unregistered whoever waited for it; one that may still land is
+    abandoned (kept referenced) as a timed-out one is."""
+    import asyncio
+
+    engine = GatedEngine()
+    async with _pair(engine, register_dest=True) as (a, b, peer_a, peer_b):
+        out = await _send(a, peer_b, torch.ones(4096, dtype=torch.uint8))
+        pools = dict(engine.registered)
+        imp = await b.import_(peer_a, out.ref, 4096)
+        dest = torch.empty(4096, dtype=torch.uint8)
+        task = asyncio.ensure_future(imp.fetch(0, 4096, dest))
+        with anyio.fail_after(5):
+            while engine.submitted == 0:
+                await asyncio.sleep(0.01)
+        assert len(engine.registered) == len(pools) + 1  # the caller's tensor
+        task.cancel()
+        await asyncio.sleep(0.1)
+        engine.gate.set()  # the read ends
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        with anyio.fail_after(5):
+            while engine.registered != pools:
+                await asyncio.sleep(0.01)
+        imp.close()
+        out.release()

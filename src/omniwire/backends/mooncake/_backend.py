@@ -176,6 +176,7 @@ class _Import(Import):
             return peer.key not in mc._peers
 
         submitted = False  # start() returned: its failures unregister themselves
+        started: list[Reads] = []  # the batch start() submitted
 
         def start() -> Reads:
             nonlocal submitted
@@ -184,6 +185,7 @@ class _Import(Import):
             hops.mark("engine: submit (worker thread)")
             try:
                 batch = submit(engine, session, reads, timeout)
+                started.append(batch)
                 submitted = True
                 return batch
             except TransferTimeoutError:
@@ -228,6 +230,16 @@ class _Import(Import):
             raise type(exc)(
                 f"{exc} (peer {peer.name!r}, bytes [{lo}, {hi}) of a {self.nbytes}-byte object)"
             ) from None
+        except BaseException:
+            # A plain Task.cancel(): the wait ended with the reads' watch (done, failed
+            # or given up), and its outcome went nowhere. No read pending: they ended,
+            # unregister below. Else it may still land: abandoned, as on a timeout.
+            if submitted and not ended:
+                if started and not started[0].pending:
+                    ended = True
+                elif dest is not None:
+                    mc._abandoned.append((dest, local + lo if register else None))
+            raise
         finally:
             if register and ended:
                 await mc._threads.run(lambda: engine.unregister(local + lo))
