@@ -24,7 +24,7 @@ import anyio
 
 from ..errors import BackendClosedError
 
-__all__ = ["Threads", "make_in_thread", "settle", "until_ended"]
+__all__ = ["Threads", "make_in_thread", "run_to_end", "settle", "until_ended"]
 
 T = TypeVar("T")
 
@@ -96,6 +96,21 @@ async def make_in_thread(make: Callable[[], T], orphan: Callable[[T], object]) -
             left = made[:]
         for value in left:  # made before the caller was told it was cancelled
             _orphan(orphan, value)
+        raise
+
+
+async def run_to_end(fn: Callable[[], T]) -> T:
+    """``fn()`` in a worker thread, for a call that writes into memory its caller may
+    reuse (an engine's read): a cancellation — a plain ``Task.cancel()`` too, which
+    anyio's worker threads do not wait for — lands once ``fn`` returned."""
+    task = asyncio.ensure_future(anyio.to_thread.run_sync(fn))
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        with anyio.CancelScope(shield=True):
+            await asyncio.wait([task])
+        if not task.cancelled():
+            task.exception()  # its outcome goes nowhere (retrieved: nothing logged)
         raise
 
 

@@ -14,6 +14,7 @@ from ...errors import BackendError
 from ..base import Import, PeerInfo, copy_range
 from ..pool import Lease
 from ..support import check_range
+from ..threads import run_to_end
 from . import _blobs as blobs
 from ._blobs import Mem, Region, Span
 from ._engine import Registration, StuckRead, read, read_async
@@ -190,7 +191,7 @@ class SpanImport(Import):
                 await run_now()
             else:
                 hops.mark("engine: submit and wait (worker thread)")
-                await anyio.to_thread.run_sync(run)
+                await run_to_end(run)  # cancelled, still waits: the READ writes dest
                 remote.opened = True
             hops.mark("engine: back on the loop")
         except BackendError as exc:
