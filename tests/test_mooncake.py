@@ -11,6 +11,7 @@ import secrets
 import subprocess
 import sys
 import threading
+import time
 import weakref
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -937,3 +938,28 @@ async def test_a_fetch_cancelled_natively_unregisters_the_callers_memory() -> No
                 await asyncio.sleep(0.01)
         imp.close()
         out.release()
+
+
+class SlowRegisterEngine(StuckEngine):
+    """An engine whose registrations take a while (a large pool being pinned)."""
+
+    def register(self, addr: int, length: int) -> None:
+        time.sleep(0.2)
+        super().register(addr, length)
+
+
+@pytest.mark.asyncio
+async def test_a_start_cancelled_natively_leaves_no_registered_pool() -> None:
+    """Was: ``asyncio.wait_for(backend.start(), …)`` giving up while the pool was being
+    registered in a worker thread left the pool registered for good (5 rounds: 320
+    MiB), and its memory unmapped by the collector while still registered."""
+    import asyncio
+
+    engine = SlowRegisterEngine()
+    cls = require_backend("mooncake")
+    b = cls(BackendContext("b", secrets.randbits(32), {"pool_size": POOL}), engine=engine)
+    with pytest.raises(asyncio.TimeoutError):
+        await asyncio.wait_for(b.start(), 0.05)
+    await b.aclose()  # while the pool is still being registered
+    await asyncio.sleep(0.4)
+    assert engine.registered == {}

@@ -35,7 +35,7 @@ from ..support import (
     lend,
     mib,
 )
-from ..threads import Threads
+from ..threads import Threads, make_in_thread
 from . import _blobs as blobs
 from ._engine import Engine, Reads, import_error, shared_engine, submit
 from ._memory import Registered, new_pool, recv_pool, registration_cache
@@ -382,7 +382,11 @@ class MooncakeBackend(ByteBackend):
         )
         pool = new_pool(engine, self._releaser)
         if self.pool_size > 0:
-            region = await anyio.to_thread.run_sync(Registered, engine, self.pool_size)
+            size = self.pool_size
+            region = await make_in_thread(lambda: Registered(engine, size), Registered.release)
+            if self._closed_now():  # closed while it was registered
+                region.release()
+                raise BackendClosedError("mooncake backend is closed")
             pool.attach(self.pool_size)
             self._region, self._pool_addr = region, region.addr
         self._engine, self._pool = engine, pool
@@ -397,6 +401,10 @@ class MooncakeBackend(ByteBackend):
         log.debug(
             "mooncake engine %s (%s, pool %s)", engine.session, self.protocol, mib(pool.capacity)
         )
+
+    def _closed_now(self) -> bool:
+        """Whether :meth:`aclose` ran (read after an await, where it may have)."""
+        return self._closed
 
     def hello(self) -> bytes:
         return self._hello

@@ -24,6 +24,7 @@ from ..base import (
 )
 from ..pool import Lease, SlotPool
 from ..support import Completions, LentExport, RegisteredRecvPool, RegistrationCache, Releaser, lend
+from ..threads import make_in_thread
 from . import _blobs as blobs
 from ._blobs import Lent, Mem
 from ._engine import (
@@ -181,9 +182,23 @@ class NixlBackend(ByteBackend):
             return
         if self.vram_pool_size > 0 and not torch.cuda.is_available():
             raise BackendError("nixl: vram_pool_size is set but CUDA is not available here")
-        await anyio.to_thread.run_sync(self._start_blocking)
+        agent, pools, metadata = await make_in_thread(self._start_blocking, _close_started)
+        if self._closed_now():  # closed while it was made
+            _close_started((agent, pools, metadata))
+            raise BackendClosedError("nixl backend is closed")
+        self._pools = pools
+        self._info = blobs.encode(
+            blobs.PiecesHello(
+                self.agent_name, metadata, [p.memory.region for p in pools], pieces=True
+            )
+        )
+        self._registrations = registration_cache(agent, self._releaser, self.register_inline)
+        if self.recv_pool_idle > 0:
+            self._recv_pool = recv_pool(agent, self._releaser, self.recv_pool_idle)
+        self._agent = agent
 
-    def _start_blocking(self) -> None:
+    def _start_blocking(self) -> tuple[Agent, list[_Pool], bytes]:
+        """The agent, its registered pools and its metadata (in a worker thread)."""
         agent = self._factory(self.agent_name)
         pools: list[_Pool] = []
         try:
@@ -206,20 +221,13 @@ class NixlBackend(ByteBackend):
                 pools.append(_Pool(len(pools), memory, slots))
             metadata = agent.metadata()
         except BaseException:
-            for pool in pools:
-                pool.memory.release()
-            agent.close()
+            _close_started((agent, pools, b""))
             raise
-        self._pools = pools
-        self._info = blobs.encode(
-            blobs.PiecesHello(
-                self.agent_name, metadata, [p.memory.region for p in pools], pieces=True
-            )
-        )
-        self._registrations = registration_cache(agent, self._releaser, self.register_inline)
-        if self.recv_pool_idle > 0:
-            self._recv_pool = recv_pool(agent, self._releaser, self.recv_pool_idle)
-        self._agent = agent
+        return agent, pools, metadata
+
+    def _closed_now(self) -> bool:
+        """Whether :meth:`aclose` ran (read after an await, where it may have)."""
+        return self._closed
 
     def hello(self) -> bytes:
         return self._info
@@ -493,3 +501,11 @@ class NixlBackend(ByteBackend):
                 entry.users -= 1
             raise
         return SpanImport(self, peer, nbytes, remote, spans, loaded)
+
+
+def _close_started(started: tuple[Agent, list[_Pool], bytes]) -> None:
+    """Undo :meth:`NixlBackend._start_blocking` (for a start that failed or was given up)."""
+    agent, pools, _metadata = started
+    for pool in pools:
+        pool.memory.release()
+    agent.close()
