@@ -100,6 +100,34 @@ async def test_a_small_object_waits_for_a_slot_a_large_one_never() -> None:
 
 
 @pytest.mark.asyncio
+async def test_a_peer_under_its_share_never_waits_for_slots_another_peer_holds() -> None:
+    """Was: one peer that never acknowledged filled the region (the shm arena is one
+    per endpoint, shared by every peer), and every send to a healthy peer then waited
+    out ``arena_wait`` (1 s) before a dedicated buffer: 5–8 ms sends became 1,003 ms.
+    A peer holding less than its fair share of the region (its size over the peers
+    holding slots) does not wait for what others hold: a dedicated buffer at once. A
+    peer over its share still waits for its own to come back."""
+    pool, bufs = _pool(capacity=64 << 10)
+    hog = [await pool.take(16 << 10, key="hog") for _ in range(4)]  # the whole region
+    with anyio.fail_after(10):
+        friend = await pool.take(16 << 10, wait=30, key="friend")
+    assert friend.dedicated
+
+    async def free_soon() -> None:
+        await anyio.sleep(0.05)
+        hog[0].release()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(free_soon)
+        with anyio.fail_after(10):
+            again = await pool.take(16 << 10, wait=30, key="hog")  # over its share: waits
+    assert not again.dedicated
+    for x in (*hog[1:], friend, again):
+        x.release()
+    assert bufs.made == [16 << 10]
+
+
+@pytest.mark.asyncio
 async def test_large_objects_use_kept_buffers_of_the_region_size() -> None:
     pool, bufs = _pool(capacity=64 << 10, keep=2)
     small = await pool.take(1024)

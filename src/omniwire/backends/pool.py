@@ -30,7 +30,7 @@ from the event loop (``create`` and ``destroy`` run in worker threads, or in
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import Generic, TypeVar
 
 import anyio
@@ -51,12 +51,20 @@ class Lease(Generic[D]):
     """One object's memory: a slot of the region (``offset >= 0``) or a dedicated
     buffer (``buffer``). ``size`` is what was reserved (>= ``nbytes``)."""
 
-    __slots__ = ("buffer", "kept", "nbytes", "offset", "pool", "size", "state")
+    __slots__ = ("buffer", "kept", "key", "nbytes", "offset", "pool", "size", "state")
 
     def __init__(
-        self, pool: SlotPool[D], nbytes: int, size: int, offset: int, buffer: D | None, kept: bool
+        self,
+        pool: SlotPool[D],
+        nbytes: int,
+        size: int,
+        offset: int,
+        buffer: D | None,
+        kept: bool,
+        key: Hashable = None,
     ) -> None:
         self.pool = pool
+        self.key = key  # whose it is (a peer), for fair shares of the region
         self.nbytes = nbytes
         self.size = size
         self.offset = offset
@@ -119,6 +127,8 @@ class SlotPool(Generic[D]):
         self._pending: list[tuple[Lease[D], Callable[[], bool]]] = []
         self._quarantined: list[Lease[D]] = []
         self._kept_free: list[D] = []
+        #: bytes of region slots held, by the key they were taken for (a peer)
+        self._held: dict[Hashable, int] = {}
         self._kept = 0
         self._freed = anyio.Event()
         self._warned = False
@@ -148,8 +158,8 @@ class SlotPool(Generic[D]):
 
     # -- leases ----------------------------------------------------------------------
 
-    def take_slot(self, nbytes: int) -> Lease[D] | None:
-        """A slot of the region, now, or None.
+    def take_slot(self, nbytes: int, key: Hashable = None) -> Lease[D] | None:
+        """A slot of the region, now, or None (``key``: whose, for fair shares).
 
         Raises:
             BackendClosedError: the pool is closed.
@@ -163,13 +173,27 @@ class SlotPool(Generic[D]):
         offset = a.allocate(max(nbytes, 1))
         if offset is None:
             return None
-        lease = Lease(self, nbytes, a.block_size(max(nbytes, 1)), offset, None, False)
+        size = a.block_size(max(nbytes, 1))
+        lease = Lease(self, nbytes, size, offset, None, False, key)
+        self._held[key] = self._held.get(key, 0) + size
         self._live.add(lease)
         return lease
 
-    async def take(self, nbytes: int, *, wait: float = 0.0, purpose: str = "") -> Lease[D]:
+    def _under_share(self, key: Hashable) -> bool:
+        """Whether ``key`` holds less of the region than its fair share (the region
+        over the keys holding slots, itself included)."""
+        held = self._held
+        holders = len(held) + (key not in held)
+        return held.get(key, 0) < self.capacity // holders
+
+    async def take(
+        self, nbytes: int, *, wait: float = 0.0, purpose: str = "", key: Hashable = None
+    ) -> Lease[D]:
         """A slot; else, for an object of at most half the region, wait up to ``wait``
-        seconds for one to be released; else a dedicated buffer.
+        seconds for one to be released; else a dedicated buffer. With ``key`` (whose
+        it is: a peer), one holding less than its fair share of the region does not
+        wait for slots others hold (a peer that never acknowledges would make every
+        other peer wait out ``wait``): a dedicated buffer at once.
 
         Raises:
             BackendClosedError: the pool is closed.
@@ -178,15 +202,17 @@ class SlotPool(Generic[D]):
         """
         if self._large(nbytes):  # carved separately: it would block the small ones
             return await self._take_dedicated(nbytes, purpose)
-        lease = self.take_slot(nbytes)
+        lease = self.take_slot(nbytes, key)
         if lease is not None:
             return lease
         a = self._alloc
+        if key is not None and self._under_share(key):
+            wait = 0.0  # what holds the region is others' beyond their shares
         if wait > 0 and a is not None and a.block_size(max(nbytes, 1)) <= a.capacity // 2:
             with anyio.move_on_after(wait):
                 while lease is None:
                     await self._freed.wait()
-                    lease = self.take_slot(nbytes)
+                    lease = self.take_slot(nbytes, key)
             if lease is not None:
                 return lease
         return await self._take_dedicated(nbytes, purpose)
@@ -244,12 +270,20 @@ class SlotPool(Generic[D]):
         if lease.buffer is None:
             if self._alloc is not None:
                 self._alloc.free(lease.offset)
+            self._unhold(lease)
         elif lease.kept:
             self._kept_free.append(lease.buffer)
         else:
             self._destroy_later(lease.buffer)
         lease.buffer = None
         self._wake()
+
+    def _unhold(self, lease: Lease[D]) -> None:
+        held = self._held.get(lease.key, 0) - lease.size
+        if held > 0:
+            self._held[lease.key] = held
+        else:
+            self._held.pop(lease.key, None)
 
     def _wake(self) -> None:
         freed, self._freed = self._freed, anyio.Event()

@@ -181,7 +181,9 @@ class ShmBackend(ByteBackend):
         if self._closed:
             raise BackendClosedError("shm backend is closed")
         await self._ensure_arena()
-        lease = await self.pool.take(nbytes, wait=self.arena_wait, purpose=f"to {peer.name!r}")
+        lease = await self.pool.take(
+            nbytes, wait=self.arena_wait, purpose=f"to {peer.name!r}", key=peer.name
+        )
         segment = lease.buffer if lease.buffer is not None else self._arena
         if segment is None:  # closed meanwhile
             lease.release()
