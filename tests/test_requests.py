@@ -213,3 +213,63 @@ async def test_reply_reaches_the_sender_without_a_peers_entry() -> None:
 async def test_reply_needs_a_delivery_that_came_from_an_endpoint() -> None:
     with pytest.raises(OmniwireError, match="nobody to reply through"):
         await Delivery("payload", "r", "x").reply(1)
+
+
+@pytest.mark.asyncio
+async def test_a_request_the_application_drops_unclosed_is_let_go() -> None:
+    """Was: ``requests()`` kept the last stream it yielded referenced while it waited
+    for the next request, so a stream the application dropped without closing it (a
+    filter that skips it, a serve task that died first) held its request until some
+    other request came: its delivery sat queued, out of every consumer's reach, and
+    ``unclaimed_timeout`` never applies to a held request. Let go, it is dispatched
+    again."""
+    import gc
+
+    async with pair() as (a, b):
+        requests = b.requests().__aiter__()
+        await (await a.send("b", {"i": 1}, request_id="r1")).wait(10)
+        request = await requests.__anext__()
+        assert request.request_id == "r1"
+        del request  # dropped, not closed
+        got: list[Any] = []
+
+        async def next_request() -> None:
+            got.append(await requests.__anext__())
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(next_request)  # waits for the next request
+            await anyio.sleep(0.1)
+            gc.collect()  # r1 is nobody's now: the next request there is
+            with anyio.fail_after(5):
+                while not got:
+                    await anyio.sleep(0.02)
+        assert got[0].request_id == "r1"
+        assert (await got[0].__anext__()).payload == {"i": 1}  # nothing of it lost
+
+
+@pytest.mark.asyncio
+async def test_a_stream_collected_unclosed_wakes_the_consumers_waiting() -> None:
+    """Was: a ``DeliveryStream`` dropped without ``close()`` let its request go when
+    the collector finalized it, but woke nobody: a ``receive()`` already waiting
+    with no timeout slept on with the request's delivery queued (20 s and counting
+    in a probe), until some other delivery arrived."""
+    import gc
+
+    async with pair() as (a, b):
+        held = b.deliveries(request_id="r1")
+        await (await a.send("b", {"i": 1}, request_id="r1")).wait(10)
+        got: list[str] = []
+
+        async def waiting() -> None:
+            got.append((await b.receive()).request_id)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(waiting)
+            await anyio.sleep(0.1)
+            assert got == []  # r1 is held
+            del held
+            gc.collect()
+            with anyio.fail_after(5):
+                while not got:
+                    await anyio.sleep(0.02)
+        assert got == ["r1"]

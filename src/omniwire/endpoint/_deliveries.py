@@ -68,6 +68,8 @@ ends deliveries still queued (a stream would never end).
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import heapq
 import itertools
 import time
@@ -491,6 +493,17 @@ class Deliveries:
                         if consumer.stage_ok(d):
                             consumer.event.set()
 
+    def wake_unscoped(self, request_id: str) -> None:
+        """Wake the unscoped consumers that may take a delivery of ``request_id`` now
+        (it was let go by a stream the collector finalized)."""
+        queued = self._by_request.get(request_id)
+        if queued and self._unscoped:
+            for d in queued.values():
+                if not self._held(d):
+                    for consumer in self._unscoped:
+                        if consumer.stage_ok(d):
+                            consumer.event.set()
+
     # -- aborts, expiry, close ---------------------------------------------------------
 
     def _note(self, seq: int) -> None:
@@ -615,8 +628,11 @@ class DeliveryStream:
         self.from_stage = from_stage
         self._queue = queue
         self._open = True
+        self._loop: asyncio.AbstractEventLoop | None = None
         if request_id is not None:
             queue._hold(request_id, from_stage)
+            with contextlib.suppress(RuntimeError):  # (made outside the loop: no wake-up)
+                self._loop = asyncio.get_running_loop()
 
     @property
     def ended(self) -> bool:
@@ -669,11 +685,16 @@ class DeliveryStream:
         self.close()
 
     def __del__(self) -> None:
-        # A stream dropped unclosed must not hold its request forever; no wake-ups
-        # here (a finalizer may run anywhere): the next arrival wakes the consumers.
+        # A stream dropped unclosed must not hold its request forever. A finalizer
+        # may run anywhere (any thread, mid-operation): the consumers waiting are
+        # woken from the event loop, by a call scheduled for it.
         if getattr(self, "_open", False) and self.request_id is not None:
             self._open = False
             self._queue._release(self.request_id, self.from_stage, wake=False)
+            loop = self._loop
+            if loop is not None:
+                with contextlib.suppress(RuntimeError):  # the loop is closed
+                    loop.call_soon_threadsafe(self._queue.wake_unscoped, self.request_id)
 
     def __repr__(self) -> str:
         scope = "any request" if self.request_id is None else f"request {self.request_id!r}"

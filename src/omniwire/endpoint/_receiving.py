@@ -94,6 +94,7 @@ class Receiving:
             except EndpointClosedError:
                 return
             yield stream
+            del stream  # not kept while waiting: one the application drops is let go
 
     def __aiter__(self) -> AsyncIterator[Delivery]:
         """Every delivery of a request nobody holds, until the endpoint closes."""
