@@ -99,3 +99,32 @@ async def test_a_lazily_conjugated_or_negated_view_of_a_born_tensor_arrives_as_i
             await receipt.wait(10)
         await buf.settled(10)
         buf.release()
+
+
+@pytest.mark.asyncio
+async def test_a_buffer_dropped_without_release_gives_its_memory_back_with_its_tensor() -> None:
+    """Was: a transport buffer the application dropped without ``release()`` (or kept
+    only as ``buf.tensor``) stayed referenced by its endpoint for good, its slot
+    with it: 60 rounds of a 4 MiB buffer filled the 64 MiB shm arena, then every
+    send waited out ``arena_wait`` (1 s) and /dev/shm grew by a segment a round. The
+    memory now comes back once the buffer and its tensor (every view of it) are
+    gone; a tensor whose buffer was dropped is sent packed, as any tensor."""
+    import gc
+
+    async with pair(sender={"routes": {"b": "shm"}}) as (a, b):
+        pool = a.backend("shm").pool  # type: ignore[attr-defined]
+        for i in range(24):  # 96 MiB in all: more than the arena
+            t = (await a.empty("b", (1 << 20,), torch.float32)).tensor  # 4 MiB
+            t.fill_(i)
+            receipt = await a.send("b", t, request_id=f"r{i}")
+            got = await b.receive(10)
+            assert torch.equal(got.payload, t)
+            got.release()
+            await receipt.wait(10)
+            del t, got
+            gc.collect()
+        assert len(a._sender.born) == 0
+        with anyio.fail_after(5):
+            while pool.bytes_in_use:
+                await anyio.sleep(0.01)
+        assert pool.dedicated_created == 0

@@ -18,10 +18,14 @@ Lifetime rules (README "Tensors born in transport memory"):
   for the sends in flight) gives the memory back once the last send of it is
   acknowledged, NACKed, aborted or its peer lost; the tensor must not be used after.
   A send of a released buffer raises ``BufferReleasedError``.
+- A buffer dropped without ``release()`` gives its memory back once its tensor and
+  every view of it are gone too (the tensor's storage owns the slot's view); its
+  tensor, kept alone, is sent packed, as any tensor.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from types import TracebackType
 from typing import TYPE_CHECKING
@@ -37,7 +41,29 @@ from ._records import SharedExport
 if TYPE_CHECKING:
     from ._sender import Sender
 
-__all__ = ["TransportBuffer"]
+__all__ = ["DropOnce", "TransportBuffer"]
+
+
+class DropOnce:
+    """Drops a buffer's share of its export once: at ``release()``, or when its
+    tensor's storage dies (``soon``, from a finalizer: any thread, any moment, so the
+    drop runs on the event loop)."""
+
+    __slots__ = ("_loop", "_shared")
+
+    def __init__(self, shared: SharedExport, loop: asyncio.AbstractEventLoop) -> None:
+        self._shared: SharedExport | None = shared
+        self._loop = loop
+
+    def __call__(self) -> None:
+        shared, self._shared = self._shared, None
+        if shared is not None:
+            shared.drop()
+
+    def soon(self) -> None:
+        if self._shared is not None:
+            with contextlib.suppress(RuntimeError):  # the loop is closed: all is gone
+                self._loop.call_soon_threadsafe(self)
 
 
 class TransportBuffer:
@@ -49,12 +75,14 @@ class TransportBuffer:
         tensor: torch.Tensor,
         backend: str | None,
         shared: SharedExport | None,
+        drop: DropOnce | None = None,
     ) -> None:
         self.tensor = tensor
         #: The backend whose memory holds it (``"shm"``), or None: ordinary memory, lent.
         self.backend = backend
         self._sender = sender
         self._shared = shared
+        self._drop = drop
         self._receipts: list[SendReceipt] = []
         self._released = False
         self.key = tensor.data_ptr()
@@ -116,8 +144,8 @@ class TransportBuffer:
         sender.released[self.key] = self
         while len(sender.released) > 256:
             del sender.released[next(iter(sender.released))]
-        if self._shared is not None:
-            self._shared.drop()
+        if self._drop is not None:
+            self._drop()
 
     async def __aenter__(self) -> torch.Tensor:
         return self.tensor

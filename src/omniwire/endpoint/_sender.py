@@ -9,12 +9,14 @@ settles the receipt early but leaves the buffer reserved until then.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import itertools
 import logging
 import math
 import sys
 import time
+import weakref
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -38,7 +40,7 @@ from ..errors import (
     RequestAbortedError,
 )
 from ..routing import INLINE, PayloadInfo, Route, RouteCache
-from ._buffers import TransportBuffer
+from ._buffers import DropOnce, TransportBuffer
 from ._core import Core
 from ._exporting import export_bytes, publish_rest
 from ._inline import Kind, carried_inline, fit, inline_message, payload_info, unaccount
@@ -69,7 +71,9 @@ class Sender:
         self._by_plan: dict[tuple[int, str, str], tuple[packing.PackPlan, RouteCache, Route]] = {}
         #: live transport buffers (``Endpoint.empty``), by their tensor's data_ptr, and
         #: the last released ones (at most 256: a send of one is a clear error)
-        self.born: dict[int, TransportBuffer] = {}
+        self.born: weakref.WeakValueDictionary[int, TransportBuffer] = (
+            weakref.WeakValueDictionary()
+        )  # (weak: a buffer the application dropped is no longer ours to keep)
         self.released: dict[int, TransportBuffer] = {}
         #: Where zero-copy deliveries come from, for forwards by reference (set by the
         #: endpoint; None: nothing is forwarded).
@@ -213,8 +217,15 @@ class Sender:
             pinfo = self.peers.connected_backend(peer, route.backend)
             export = await backend.export(pinfo, nbytes, device)
             assert export.buffer is not None
-            tensor = export.buffer[:nbytes].view(dtype).view(shape)
-            buf = TransportBuffer(self, tensor, route.backend, SharedExport(export))
+            shared = SharedExport(export)
+            # The tensor's storage owns this array (and nothing else does): once the
+            # tensor and every view of it are gone, the slot goes back, even if the
+            # buffer was never released (dropped, or kept only as its tensor).
+            owner = export.buffer[:nbytes].numpy()
+            drop = DropOnce(shared, asyncio.get_running_loop())
+            weakref.finalize(owner, drop.soon)
+            tensor = torch.from_numpy(owner).view(dtype).view(shape)
+            buf = TransportBuffer(self, tensor, route.backend, shared, drop)
         else:
             buf = TransportBuffer(self, torch.empty(shape, dtype=dtype, device=device), None, None)
         self.released.pop(buf.key, None)
