@@ -361,6 +361,7 @@ def test_capacity_must_be_a_power_of_two() -> None:
         (1 << 40, None, "published tail"),  # more than the capacity in use
         (16, (4000, 0), "overruns the tail"),  # a record longer than what was published
         (16, (8, 0x80), "flags"),  # unknown flag
+        (8, (0, 1), "empty fragment"),  # a fragment of nothing: a chain of them never ends
     ],
 )
 async def test_a_corrupt_ring_stops_the_reader_with_an_error_not_a_crash(
@@ -386,6 +387,35 @@ async def test_a_corrupt_ring_stops_the_reader_with_an_error_not_a_crash(
         assert got == []
         with pytest.raises(RingError, match=match):
             await reader.recv()
+    finally:
+        words.release()
+        mv.release()
+        segment.close()
+        reader.close()
+
+
+@pytest.mark.asyncio
+async def test_a_turn_of_the_reader_takes_a_bounded_number_of_records() -> None:
+    """Was: a turn took up to 1 MiB of records whatever their count: a writer filling
+    the ring with empty frames (8 bytes each) had 131,072 of them copied and handed
+    over in one turn of the event loop, each decoded by the endpoint (a 1 s stall
+    of its other peers). A turn now takes at most ``TURN_RECORDS`` records."""
+    from omniwire.ring._reader import TURN_RECORDS
+
+    capacity = 1 << 16
+    reader = RingReader.create(capacity)
+    segment = Segment.attach(reader.name + "-0")
+    mv = memoryview(segment.base.numpy())
+    words = mv[:4096].cast("Q")
+    batches: list[int] = []
+    try:
+        mv[4096 : 4096 + capacity] = bytes(capacity)  # 8,192 empty frames
+        words[16] = capacity
+        reader.start(lambda frames: batches.append(len(frames)), lambda _e: None)
+        with anyio.fail_after(10):
+            while sum(batches) < capacity // 8:
+                await asyncio.sleep(0.005)
+        assert max(batches) <= TURN_RECORDS < capacity // 8
     finally:
         words.release()
         mv.release()
