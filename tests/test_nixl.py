@@ -10,8 +10,9 @@ import secrets
 import threading
 import time
 import weakref
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
+from typing import Any, TypeVar
 
 import anyio
 import msgspec
@@ -463,23 +464,37 @@ class FakeAgent:
         pass
 
 
-@pytest.mark.asyncio
-async def test_a_read_that_cannot_be_cancelled_quarantines_its_memory() -> None:
-    """Through the agent seam: no NIXL, no monkeypatching."""
-    agents: list[FakeAgent] = []
+A = TypeVar("A", bound=FakeAgent)
 
-    def factory(name: str) -> FakeAgent:
-        agents.append(FakeAgent(name))
+
+@asynccontextmanager
+async def _agents_pair(agent: type[A], timeout: float) -> AsyncIterator[tuple[Any, Any, list[A]]]:
+    """Two started nixl backends that know each other, on fake agents of ``agent``
+    (the sender's is ``agents[0]``, the receiver's ``agents[1]``); closed after."""
+    agents: list[A] = []
+
+    def factory(name: str) -> A:
+        agents.append(agent(name))
         return agents[-1]
 
     cls = require_backend("nixl")
-    opts = {"pool_size": 1 << 20, "timeout": 0.05, "agent_factory": factory}
+    opts = {"pool_size": 1 << 20, "timeout": timeout, "agent_factory": factory}
     a, b = cls(_ctx("fa", **opts)), cls(_ctx("fb", **opts))
     await a.start()
     await b.start()
     try:
         await b.connect(_peer_info(a))
         await a.connect(_peer_info(b))
+        yield a, b, agents
+    finally:
+        await a.aclose()
+        await b.aclose()
+
+
+@pytest.mark.asyncio
+async def test_a_read_that_cannot_be_cancelled_quarantines_its_memory() -> None:
+    """Through the agent seam: no NIXL, no monkeypatching."""
+    async with _agents_pair(FakeAgent, 0.05) as (a, b, agents):
         out = await a.export(_peer_info(b), 4096, "cpu")
         imp = await b.import_(_peer_info(a), out.ref, 4096)
         with pytest.raises(BackendError, match="could not be cancelled"):
@@ -488,9 +503,6 @@ async def test_a_read_that_cannot_be_cancelled_quarantines_its_memory() -> None:
         out.release()
         assert b.stats().idle and b.stats().detail["pool_quarantined"] == 1
         assert agents[1].released == 1
-    finally:
-        await a.aclose()
-        await b.aclose()
     assert all(not agent.registered for agent in agents)  # every registration undone
 
 
@@ -732,20 +744,7 @@ async def test_a_fetch_cancelled_natively_returns_only_once_its_read_ended() -> 
     backend's close did not wait for it. It now returns when the READ ended."""
     import asyncio
 
-    agents: list[GatedAgent] = []
-
-    def factory(name: str) -> GatedAgent:
-        agents.append(GatedAgent(name))
-        return agents[-1]
-
-    cls = require_backend("nixl")
-    opts = {"pool_size": 1 << 20, "timeout": 30, "agent_factory": factory}
-    a, b = cls(_ctx("ga", **opts)), cls(_ctx("gb", **opts))
-    await a.start()
-    await b.start()
-    try:
-        await b.connect(_peer_info(a))
-        await a.connect(_peer_info(b))
+    async with _agents_pair(GatedAgent, 30) as (a, b, agents):
         out = await a.export(_peer_info(b), 4096, "cpu")
         imp = await b.import_(_peer_info(a), out.ref, 4096)
         task = asyncio.ensure_future(imp.fetch(0, 4096, torch.empty(4096, dtype=torch.uint8)))
@@ -762,9 +761,6 @@ async def test_a_fetch_cancelled_natively_returns_only_once_its_read_ended() -> 
         assert b.stats().detail["reads_in_flight"] == 0
         imp.close()
         out.release()
-    finally:
-        await a.aclose()
-        await b.aclose()
 
 
 class SlowRegisterAgent(FakeAgent):

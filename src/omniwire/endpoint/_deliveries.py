@@ -485,17 +485,12 @@ class Deliveries:
                 for seq, d in self._by_request.get(request_id, {}).items():
                     if not self._held(d):
                         self._unheld_delivery(seq, d)
-        queued = self._by_request.get(request_id)
-        if wake and queued and self._unscoped:  # what it held is anybody's now
-            for d in queued.values():
-                if not self._held(d):
-                    for consumer in self._unscoped:
-                        if consumer.stage_ok(d):
-                            consumer.event.set()
+        if wake:  # what it held is anybody's now
+            self.wake_unscoped(request_id)
 
     def wake_unscoped(self, request_id: str) -> None:
         """Wake the unscoped consumers that may take a delivery of ``request_id`` now
-        (it was let go by a stream the collector finalized)."""
+        (it was let go; also called for a stream the collector finalized)."""
         queued = self._by_request.get(request_id)
         if queued and self._unscoped:
             for d in queued.values():
