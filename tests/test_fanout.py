@@ -19,6 +19,7 @@ from omniwire import codec, registry
 from omniwire.backends.base import Capabilities
 from omniwire.backends.shm import ShmBackend
 from omniwire.endpoint import Endpoint
+from omniwire.errors import OmniwireError
 
 pytestmark = pytest.mark.asyncio
 
@@ -126,6 +127,30 @@ async def test_stream_fan_out_numbers_chunks_per_target() -> None:
         assert [d.chunk_id for d in got_b if d.kind == "stream_chunk"] == [0, 1, 2]
         assert [d.chunk_id for d in got_c if d.kind == "stream_chunk"] == [0, 1]
         assert got_b[-1].kind == got_c[-1].kind == "stream_end"
+
+
+@pytest.mark.asyncio
+async def test_a_fan_out_end_stream_ends_every_target_it_can() -> None:
+    """Was: ``end_stream([gone, alive])`` stopped at the first target that failed:
+    ``alive``'s stream was never ended (its consumer waited until its
+    ``stream_idle_timeout``, 300 s by default), though ``end_stream`` ends each
+    target. Every target is now ended; the first failure is raised after."""
+    async with (
+        Endpoint("b", address=addr("b")) as b,
+        Endpoint(
+            "src",
+            address=addr("src"),
+            peers={"b": b.address, "gone": addr("gone")},  # nobody there
+            handshake_timeout=0.5,
+        ) as src,
+    ):
+        await src.wait_peer("b", 10)
+        await src.stream("b", torch.ones(4), request_id="s")
+        with pytest.raises(OmniwireError):
+            await src.end_stream(["gone", "b"], request_id="s")
+        with anyio.fail_after(10):
+            kinds = [d.kind async for d in b.deliveries(request_id="s")]
+        assert kinds == ["stream_chunk", "stream_end"]
 
 
 class _ShmOnePerTarget(ShmBackend):

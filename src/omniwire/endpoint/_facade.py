@@ -434,6 +434,8 @@ class Endpoint(Receiving):
 
         Raises: HandshakeError, PeerLostError (``PeerUnresponsiveError`` when the frame
         is not taken within ``ack_timeout``), RequestAbortedError, EndpointClosedError.
+        Of several targets, every one is ended that can be, then the first target's
+        error is raised.
         """
         await self._targets.end_stream(target, request_id, error, metadata)
 

@@ -17,6 +17,8 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
+import anyio
+
 from .. import codec, packing
 from ..backends.base import ByteBackend
 from ..delivery import SendReceipt
@@ -127,8 +129,24 @@ class FanOut:
         metadata: Any,
         traceparent: str,
     ) -> None:
-        for name in check_targets(targets):
-            await self.sender.end_stream(name, request_id, error, metadata, traceparent)
+        """End the stream on every target, concurrently (one that fails or waits for
+        its handshake does not keep the others' streams open); then raise the first
+        target's error, in target order."""
+        names = check_targets(targets)
+        failures: dict[str, Exception] = {}
+
+        async def end(name: str) -> None:
+            try:
+                await self.sender.end_stream(name, request_id, error, metadata, traceparent)
+            except Exception as exc:
+                failures[name] = exc
+
+        async with anyio.create_task_group() as tg:
+            for name in names:
+                tg.start_soon(end, name)
+        for name in names:
+            if name in failures:
+                raise failures[name]
 
     def _shared_backends(self, routes: list[Route]) -> set[str]:
         """Backends that carry several of the targets and can share one export."""
