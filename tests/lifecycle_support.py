@@ -176,3 +176,21 @@ async def still_serves(victim: Endpoint, friend: Endpoint, tag: str) -> None:
             f"{victim.name} no longer takes {friend.name}'s payload {tag!r} "
             f"(internal_errors={counter(victim, 'internal_errors')})"
         ) from None
+
+
+async def clients_come_and_go(srv: Endpoint, n: int, remembered: int) -> None:
+    """``n`` clients, each under a new name, send ``srv`` a request, get its reply and
+    close; then wait until ``srv``'s peer table remembers only ``remembered`` of them
+    (``_TOMBSTONES`` patched to that)."""
+    from test_endpoint import addr
+
+    for i in range(n):
+        async with Endpoint(f"c{i}", address=addr(f"c{i}"), peers={"srv": srv.address}) as c:
+            await c.wait_peer("srv", 10)
+            await (await c.send("srv", {"i": i}, request_id=f"q{i}")).wait(10)
+            d = await srv.receive(10)
+            await (await d.reply({"ok": i})).wait(10)
+            assert (await c.receive(10)).payload == {"ok": i}
+    await wait_until(
+        lambda: len(srv._peers.all()) <= remembered, 10, "the table to forget the gone peers"
+    )

@@ -28,6 +28,7 @@ from omniwire.testing import PeerProcess
 from omniwire.testing.conformance import ipc_address
 from omniwire.testing.strategies import payloads
 
+from lifecycle_support import clients_come_and_go
 from test_endpoint import addr, pair
 from test_hostile import Mallory, _still_serves, victim_and_friend
 
@@ -829,16 +830,7 @@ async def test_peers_that_come_and_go_leave_no_route_statistics_behind(
     names) grew without bound. Only the peers the table remembers keep theirs."""
     monkeypatch.setattr("omniwire.endpoint._peers._TOMBSTONES", 2)
     async with Endpoint("srv", address=addr("srv")) as srv:
-        for i in range(8):
-            async with Endpoint(f"c{i}", address=addr(f"c{i}"), peers={"srv": srv.address}) as c:
-                await c.wait_peer("srv", 10)
-                await (await c.send("srv", {"i": i}, request_id=f"q{i}")).wait(10)
-                d = await srv.receive(10)
-                await (await d.reply({"ok": i})).wait(10)
-                assert (await c.receive(10)).payload == {"ok": i}
-        with anyio.fail_after(10):
-            while len(srv._peers.all()) > 2:  # the table forgets all but 2 gone peers
-                await anyio.sleep(0.05)
+        await clients_come_and_go(srv, 8, remembered=2)
         remembered = {p.name for p in srv._peers.all()}
         assert {peer for peer, _kind, _backend in srv.route_stats} <= remembered
         assert {peer for peer, _kind, _backend in srv._sender._routes_seen} <= remembered

@@ -73,17 +73,10 @@ async def test_the_series_of_a_forgotten_peer_go_with_it(
     keeps the last 256), its series go too."""
     monkeypatch.setattr("omniwire.endpoint._peers._TOMBSTONES", 2)
     observer, port = metrics
+    from lifecycle_support import clients_come_and_go
+
     async with Endpoint("srv", address=addr("srv"), observer=observer) as srv:
-        for i in range(6):
-            async with Endpoint(f"c{i}", address=addr(f"c{i}"), peers={"srv": srv.address}) as c:
-                await c.wait_peer("srv", 10)
-                await (await c.send("srv", {"i": i}, request_id=f"q{i}")).wait(10)
-                d = await srv.receive(10)
-                await (await d.reply({"ok": i})).wait(10)
-                (await c.receive(10)).release()
-        with anyio.fail_after(10):
-            while len(srv._peers.all()) > 2:
-                await anyio.sleep(0.05)
+        await clients_come_and_go(srv, 6, remembered=2)
         samples = await anyio.to_thread.run_sync(scrape, port)
     peers = {dict(labels).get("peer") for (_name, labels) in samples} - {None}
     assert peers == {"c4", "c5"}  # the gone peers the table remembers
