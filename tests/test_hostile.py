@@ -25,7 +25,7 @@ import zmq.asyncio
 from omniwire import wire
 from omniwire.backends.shm import Segment
 from omniwire.endpoint import Endpoint
-from omniwire.errors import AckTimeoutError, HandshakeError, ShmFullError
+from omniwire.errors import AckTimeoutError, HandshakeError, OmniwireError, ShmFullError
 
 pytestmark = pytest.mark.asyncio
 
@@ -522,5 +522,42 @@ async def test_a_huge_window_does_not_let_a_peer_that_never_reads_pin_our_memory
                     await victim.send("mallory", {"b": b"x" * (1 << 20)}, request_id=f"r{i}")
                     sent += 1
             assert sent <= 5
+        finally:
+            m.close()
+
+
+async def test_a_peer_granting_no_window_that_never_reads_pins_a_bounded_amount() -> None:
+    """Was: to a peer whose Hello grants no window (``window = 0``, a writer predating
+    spec §7.6, or one pretending to be) that never read its socket, every inline send
+    returned at once: ZeroMQ queued up to 1,000 frames of 4 MiB batches for it (a
+    probe: 2,000 sends of 1 MiB grew the sender by 2.4 GiB, and the peer stayed
+    alive). Now ZeroMQ holds a few frames for such a peer, what it cannot take waits
+    in a backlog bounded in bytes, and a send then waits, until the peer is
+    declared unresponsive after ``peer_timeout``."""
+    size = 256 << 10
+    async with Endpoint(
+        "victim", address=addr("victim"), peer_timeout=1.0, ack_timeout=1.0
+    ) as victim:
+        m = Mallory(victim.address)
+        m.pull.close(0)  # a PULL socket that takes one frame and never reads
+        m.pull = m.ctx.socket(zmq.PULL)
+        m.pull.setsockopt(zmq.RCVHWM, 1)
+        m.pull.setsockopt(zmq.RCVBUF, 4096)
+        m.pull.bind(m.address)
+        try:
+            await m.send(wire.encode(msgspec.structs.replace(m.hello(), wire_max=(1, 1))))
+            await victim.wait_peer("mallory", 10)
+            sent = 0
+            blob = b"x" * size
+            with anyio.fail_after(30), pytest.raises(OmniwireError):
+                for i in range(600):  # 150 MiB
+                    await victim.send("mallory", {"b": blob}, request_id=f"r{i}")
+                    sent += 1
+            print(f"{sent} sends of {size >> 10} KiB returned before one failed")
+            assert sent * size <= 64 << 20
+            with anyio.fail_after(5):  # and it is declared unresponsive (peer_timeout)
+                while victim.counters["peers_lost"] == 0:
+                    await anyio.sleep(0.05)
+            assert "mallory" not in victim.peer_names()
         finally:
             m.close()

@@ -29,6 +29,10 @@ class PeerEvent(enum.Enum):
     HANDSHAKE_FAILED = "handshake_failed"  # cut short: it closed, or (CURVE) a wrong key
 
 
+#: ZeroMQ's default high-water mark, in frames.
+_ZMQ_DEFAULT_HWM = 1000
+
+
 class _MonitorClosed(Exception):
     """Set on a pending monitor read when its socket is released."""
 
@@ -78,6 +82,11 @@ class Links:
 
     def has_peer(self, peer: str) -> bool:
         return peer in self._push
+
+    def limit_frames(self, peer: str, frames: int) -> None:
+        sock = self._push.get(peer)
+        if sock is not None:  # libzmq >= 4.3 applies it to the existing pipe too
+            sock.setsockopt(zmq.SNDHWM, frames or _ZMQ_DEFAULT_HWM)
 
     def peers(self) -> list[str]:
         return list(self._push)

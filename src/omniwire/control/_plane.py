@@ -195,6 +195,13 @@ class ControlPlane:
     def has_peer(self, peer: str) -> bool:
         return self._links.has_peer(peer)
 
+    def limit_frames(self, peer: str, frames: int) -> None:
+        """At most ``frames`` frames queued in ZeroMQ for ``peer`` (its PUSH socket's
+        high-water mark, applied to its current connection too; 0: ZeroMQ's default).
+        A send that finds them queued waits (:meth:`send`) or is refused
+        (:meth:`send_nowait`)."""
+        self._links.limit_frames(peer, frames)
+
     def disconnect(self, peer: str) -> None:
         """Release everything of ``peer``: its PUSH socket (queued frames are dropped),
         its monitor (:meth:`events` ends) and its abort subscription. Sends waiting on

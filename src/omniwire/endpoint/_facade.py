@@ -71,10 +71,12 @@ class Endpoint(Receiving):
         ack_timeout: seconds a peer has to acknowledge an object (and to grant a
             credit, or to take a frame) before the send fails.
         handshake_timeout: seconds to wait for a peer's Hello before a send fails.
-        peer_timeout: seconds a peer may stay disconnected, or take no frame, before
+        peer_timeout: seconds a peer may stay unreachable, or take no frame, before
             it is declared lost (at once if it is on this host and its process died).
         heartbeat_interval: ZMTP heartbeat period; a silent connection is dropped
-            after three periods.
+            after three periods, and a peer whose connection dropped while ready
+            is declared lost then (frames on their way may be gone; a new session
+            starts when it is back).
         zero_copy: deliver views of the sender's memory, acknowledged on
             ``Delivery.release()``, instead of owned copies.
         receive_buffer, receive_buffer_bytes: undelivered deliveries this endpoint

@@ -11,7 +11,10 @@ posting order, always.
 
 A frame ZeroMQ cannot take right away (the peer's queue is full) waits in the
 peer's backlog, which one drain task empties in order; how long its head has
-waited tells the peer table whether the peer still takes frames.
+waited tells the peer table whether the peer still takes frames. ``send`` waits
+while more than 256 messages or 16 MiB wait for a peer, so what a peer that does
+not read pins here is bounded: by its window, and for a peer granting none by
+those and the few frames ZeroMQ holds for it (``NO_WINDOW_FRAMES``).
 
 Nothing queued is dropped quietly. Batches are cut by the messages' sizes before
 they are encoded (a DataReady's charge, spec §7.6, bounds its encoded size), so no
@@ -45,6 +48,8 @@ __all__ = ["Outbox"]
 
 #: Messages queued to one peer before ``send`` waits for ZeroMQ to take some.
 _SEND_LIMIT = 256
+#: Bytes of frames waiting for a peer's channel before ``send`` waits.
+_SEND_BYTES = 16 << 20
 #: Most messages in one BatchMessage (the wire allows 4096).
 _BATCH_MAX = 1024
 #: Batches stay well under the 16 MiB frame limit (counted in the messages' sizes).
@@ -74,13 +79,26 @@ class _Queue:
     channel could not take yet (each with the channel it must take: ZeroMQ, or the
     peer's ring)."""
 
-    __slots__ = ("backlog", "draining", "error", "messages", "peer", "room", "since", "sizes")
+    __slots__ = (
+        "backlog",
+        "backlog_bytes",
+        "draining",
+        "error",
+        "message_bytes",
+        "messages",
+        "peer",
+        "room",
+        "since",
+        "sizes",
+    )
 
     def __init__(self, peer: Peer) -> None:
         self.peer = peer
         self.messages: list[wire.Message | _ToRing] = []
         self.sizes: list[int] = []  # each message's size bound, if its poster knew it (else 0)
+        self.message_bytes = 0  # the sum of ``sizes``
         self.backlog: deque[tuple[bytes, RingWriter | None]] = deque()
+        self.backlog_bytes = 0
         self.draining = False
         self.since = 0.0  # when the backlog's head started to wait
         self.room: anyio.Event | None = None  # set when ``send`` may go on
@@ -88,6 +106,10 @@ class _Queue:
 
     def __len__(self) -> int:
         return len(self.messages) + len(self.backlog)
+
+    def crowded(self) -> bool:
+        """Whether ``send`` waits: too many messages, or too many bytes of frames."""
+        return len(self) > _SEND_LIMIT or self.message_bytes + self.backlog_bytes > _SEND_BYTES
 
 
 class Outbox:
@@ -157,6 +179,7 @@ class Outbox:
             self._dirty.append(queue)
         queue.messages.append(msg)
         queue.sizes.append(size)
+        queue.message_bytes += size
         if not self._scheduled:
             self._scheduled = True
             loop = self._loop or asyncio.get_running_loop()
@@ -166,7 +189,7 @@ class Outbox:
     def has_room(self, peer: Peer) -> bool:
         """Whether :meth:`send` to ``peer`` would return without waiting now."""
         queue = self._queues.get(peer.name)
-        return queue is None or len(queue) < _SEND_LIMIT
+        return queue is None or not queue.crowded()
 
     async def send(self, peer: Peer, msg: wire.Message, timeout: float, size: int = 0) -> None:
         """Post ``msg``; wait only while too much is queued to ``peer`` (it takes no frames).
@@ -176,10 +199,10 @@ class Outbox:
         """
         self.post(peer, msg, size)
         queue = self._queues.get(peer.name)
-        if queue is None or len(queue) <= _SEND_LIMIT:
+        if queue is None or not queue.crowded():
             return  # gone straight out (a ring), or room to spare
         deadline = time.monotonic() + timeout
-        while len(queue) > _SEND_LIMIT and self._queues.get(peer.name) is queue:
+        while queue.crowded() and self._queues.get(peer.name) is queue:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise PeerUnresponsiveError(
@@ -231,7 +254,9 @@ class Outbox:
             _close_rings(queue.messages)
             queue.messages.clear()
             queue.sizes.clear()
+            queue.message_bytes = 0
             queue.backlog.clear()
+            queue.backlog_bytes = 0
             if queue.room is not None:
                 queue.room.set()
         if not self._queues:
@@ -256,6 +281,7 @@ class Outbox:
                 continue
             messages, queue.messages = queue.messages, []
             sizes, queue.sizes = queue.sizes, []
+            queue.message_bytes = 0
             try:
                 self._send_all(queue, messages, sizes)
             except OmniwireError as exc:  # its ring broke, or a frame cannot be made
@@ -295,6 +321,7 @@ class Outbox:
                 return
             queue.since = time.monotonic()
         queue.backlog.append((frame, ring))
+        queue.backlog_bytes += len(frame)
         if not queue.draining:
             queue.draining = True
             self._supervisor.spawn(self._drain, queue)
@@ -313,8 +340,9 @@ class Outbox:
                 except (KeyError, OmniwireError):  # channel gone: the peer is being dropped
                     return
                 queue.backlog.popleft()
+                queue.backlog_bytes -= len(frame)
                 queue.since = time.monotonic()
-                if queue.room is not None and len(queue) <= _SEND_LIMIT:
+                if queue.room is not None and not queue.crowded():
                     queue.room.set()
         finally:
             queue.draining = False

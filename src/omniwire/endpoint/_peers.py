@@ -69,6 +69,15 @@ RESTART_INTERVAL = 1.0
 #: grants: what is charged to it is ours to hold until the peer reads it (a peer
 #: granting 2**64-1 bytes that never read its socket pinned gigabytes here).
 SEND_WINDOW_MAX = 64 << 20
+#: How long after its connection dropped a peer is declared lost (a Goodbye sent
+#: just before its process closed the connection has this long to land).
+LINK_DROP_GRACE = 0.25
+#: Frames ZeroMQ may hold for a peer that grants no window (``window = 0``: a
+#: writer predating spec §7.6, or one pretending to be): nothing else tells this
+#: endpoint that such a peer reads. With the outbox's backlog bound, a peer that
+#: never reads pins a few tens of MiB here until it is declared unresponsive
+#: (``peer_timeout``); a granted window bounds the others.
+NO_WINDOW_FRAMES = 8
 
 
 class PeerTable:
@@ -153,6 +162,10 @@ class PeerTable:
             elif event is PeerEvent.DOWN:
                 if peer.down_since is None:
                     peer.down_since = time.monotonic()
+                if peer.status is PeerStatus.READY and peer.ring_writer is None:
+                    # ZeroMQ reconnects, but what the closed connection's buffers
+                    # held is gone: sends that returned may never arrive (spec §10.6)
+                    peer.dropped_at = peer.dropped_at or time.monotonic()
                 self._lost_if_dead(peer)
             elif event is PeerEvent.AUTH_FAILED:
                 self._auth_failed(peer, "it refused our credentials (authentication key mismatch?)")
@@ -218,6 +231,8 @@ class PeerTable:
         if peer.address is None or not peer.configured:
             peer.address = str(parse_address(hello.address))
         self._connect(peer)
+        if outcome is not wire.HelloOutcome.DUPLICATE and peer.push_open:
+            self.core.control.limit_frames(peer.name, 0 if hello.window else NO_WINDOW_FRAMES)
         offered = offer_ring(self.core, peer, hello)
         if not hello.is_reply or offered:
             self.core.outbox.post(peer, hello_of(self.core, peer, reply=True))
@@ -406,6 +421,7 @@ class PeerTable:
         peer.chunk_ids.clear()
         peer.hello_done = False
         peer.down_since = None
+        peer.dropped_at = None
         peer.generation += 1
         core.outbox.drop(peer.name, error)
         peer.close_rings()
@@ -452,7 +468,13 @@ class PeerTable:
             ring = peer.ring_writer
             if ring is not None and ring.closed and peer.down_since is None:
                 peer.down_since = now  # its reader closed: like a broken connection
-            if peer.down_since is not None and now - peer.down_since > cfg.peer_timeout:
+            if peer.dropped_at is not None and now - peer.dropped_at >= LINK_DROP_GRACE:
+                self.lose(
+                    peer,
+                    "its connection dropped (frames on their way may be lost; a new "
+                    "session starts when it is back)",
+                )
+            elif peer.down_since is not None and now - peer.down_since > cfg.peer_timeout:
                 self.lose(peer, f"disconnected for more than {cfg.peer_timeout:g} s")
             elif self.core.outbox.waiting_for(peer.name, now) > cfg.peer_timeout:
                 detail = ""

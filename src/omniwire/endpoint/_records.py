@@ -226,6 +226,9 @@ class Peer:
     #: until ``RESTART_INTERVAL`` has passed (the latest wins).
     held_hello: wire.HelloMessage | None = None
     down_since: float | None = None
+    #: when our ZeroMQ connection to it dropped while its session was ready (frames
+    #: its socket buffers held are gone: the session ends, see ``Peers.tick``)
+    dropped_at: float | None = None
     reason: str = ""  # why it was lost or closed
     refusal: PeerRefusedError | None = None
     auth_failure: str = ""
