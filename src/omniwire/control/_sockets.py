@@ -86,21 +86,9 @@ class Sockets:
     def options(self, sock: zmq.Socket[Any], *, server: bool, ipv6: bool) -> None:
         sock.setsockopt(zmq.LINGER, _LINGER_MS)
         sock.setsockopt(zmq.MAXMSGSIZE, _ZMQ_MAX_MSG)
-        if sock.type == zmq.PUSH:
-            sock.setsockopt(zmq.HEARTBEAT_IVL, self._hb[0])
-            sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, self._hb[1])
-            sock.setsockopt(zmq.HEARTBEAT_TTL, self._hb[1])
-        else:
-            # No ZMTP heartbeat on a socket whose receive queue can fill (PULL, SUB;
-            # PUB reads subscriptions): libzmq 4.3.5 aborts the process when such a
-            # connection's heartbeat timer fires after its queue filled and its peer
-            # closed it (Assertion !_io_error, stream_engine_base.cpp; libzmq#4767).
-            # TCP keepalive ends a dead connection instead; liveness is our PUSH's.
-            idle = max(1, round(self._hb[1] / 1000))
-            sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
-            sock.setsockopt(zmq.TCP_KEEPALIVE_IDLE, idle)
-            sock.setsockopt(zmq.TCP_KEEPALIVE_INTVL, 1)
-            sock.setsockopt(zmq.TCP_KEEPALIVE_CNT, 3)
+        sock.setsockopt(zmq.HEARTBEAT_IVL, self._hb[0])
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, self._hb[1])
+        sock.setsockopt(zmq.HEARTBEAT_TTL, self._hb[1])
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
         if ipv6:
             sock.setsockopt(zmq.IPV6, 1)
