@@ -5,11 +5,13 @@ full /dev/shm."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import pickle
 import secrets
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import AsyncIterator
@@ -22,6 +24,7 @@ import torch
 import zmq
 import zmq.asyncio
 
+import zmtp_raw
 from omniwire import wire
 from omniwire.backends.shm import Segment
 from omniwire.endpoint import Endpoint
@@ -561,3 +564,109 @@ async def test_a_peer_granting_no_window_that_never_reads_pins_a_bounded_amount(
             assert "mallory" not in victim.peer_names()
         finally:
             m.close()
+
+
+# -- libzmq's !_io_error abort ----------------------------------------------------------
+#
+# libzmq 4.3.5 (and its master, 2026) aborts the whole process with ``Assertion
+# failed: !_io_error (src/stream_engine_base.cpp:310)`` (libzmq issues 3937, 4767)
+# when a connection whose receive queue is full (input stopped) sees its peer go
+# (RST or hang-up: the engine marks an I/O error and stops polling) and then writes:
+# its ZMTP heartbeat timer fires (a PING), or the application makes room and the
+# engine decodes a PING the peer sent behind the flood (a PONG). Each attack below
+# did it to an endpoint within a few rounds.
+
+
+def _flood_pull_zmq(victim: str, server: socket.socket) -> None:
+    """An ordinary PUSH: 5,000 junk frames into our PULL socket, then close."""
+    ctx = zmq.Context()
+    push = ctx.socket(zmq.PUSH)
+    push.setsockopt(zmq.SNDHWM, 100_000)
+    push.connect(victim)
+    for _ in range(5000):
+        push.send(b"\xc1" * 64)
+    time.sleep(0.05)
+    push.close(linger=300)
+    ctx.term()
+
+
+def _flood_pull_then_ping(victim: str, server: socket.socket) -> None:
+    """ZMTP by hand: 3,000 frames, each followed by a PING (so that one sits in the
+    engine's read buffer behind the frame that found the queue full), then an RST."""
+    host, port = victim.removeprefix("tcp://").rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=5) as sock:
+        zmtp_raw.handshake(sock, b"PUSH", as_server=False)
+        sock.sendall((zmtp_raw.message(b"\xc1" * 16) + zmtp_raw.ping()) * 3000)
+        time.sleep(0.05)
+        zmtp_raw.reset(sock)
+
+
+def _flood_push(victim: str, server: socket.socket) -> None:
+    """A "PULL" that our endpoint dialled (``add_peer``) and that sends 5,000 frames
+    (and PINGs) down our PUSH socket, which never reads them, then an RST. Once: libzmq
+    stops polling a connection that went while its queue was full, so the victim does
+    not dial again (its liveness ends such a link when it has frames for it)."""
+    server.settimeout(10)
+    sock, _ = server.accept()
+    sock.settimeout(5)
+    zmtp_raw.handshake(sock, b"PULL", as_server=True)
+    sock.sendall((zmtp_raw.message(b"\xc1" * 16) + zmtp_raw.ping()) * 5000)
+    time.sleep(0.05)
+    zmtp_raw.reset(sock)
+    time.sleep(2)  # ten heartbeats of the victim's
+
+
+@pytest.mark.parametrize(
+    ("attack", "heartbeat"),
+    [
+        ("pull", 0.2),  # its heartbeat timer fires on a stopped PULL connection
+        ("pull_ping", 30.0),  # the flood's own PING, answered when the loop reads
+        ("push", 0.2),  # our PUSH never reads: its heartbeat timer fires
+    ],
+)
+async def test_a_peer_filling_a_socket_then_leaving_does_not_abort_our_process(
+    attack: str, heartbeat: float
+) -> None:
+    """A victim endpoint in its own process, holding its loop 0.3 s at a time like a
+    model step would, is flooded and left 12 times (once for ``push``): it must live
+    and close cleanly. Was: it died within a few rounds (exit status -6, the assertion above)."""
+    victim_py = os.path.join(os.path.dirname(__file__), "zmq_victim.py")
+    server = socket.create_server(("127.0.0.1", 0))
+    args = [sys.executable, victim_py, str(heartbeat), "0.3"]
+    if attack == "push":
+        args.append(f"tcp://127.0.0.1:{server.getsockname()[1]}")
+    proc = subprocess.Popen(  # noqa: ASYNC220 (killed in finally)
+        args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    assert proc.stdin is not None and proc.stdout is not None
+    n = 1 if attack == "push" else 12
+
+    flood = {"pull": _flood_pull_zmq, "pull_ping": _flood_pull_then_ping, "push": _flood_push}
+
+    def rounds(victim: str) -> int:
+        for r in range(n):
+            if proc.poll() is not None:
+                return r
+            flood[attack](victim, server)
+            time.sleep(0.4)  # past a hold and a heartbeat
+        return n if proc.poll() is None else n - 1
+
+    try:
+        line = await anyio.to_thread.run_sync(proc.stdout.readline)
+        victim = json.loads(line)["ready"]
+        with anyio.fail_after(120):
+            made = await anyio.to_thread.run_sync(rounds, victim)
+        with contextlib.suppress(BrokenPipeError):
+            proc.stdin.write("quit\n")
+            proc.stdin.flush()
+        out, err = await anyio.to_thread.run_sync(proc.communicate, None, 30)
+        assert proc.returncode == 0, (
+            f"victim died ({proc.returncode}) after {made} rounds: {err[-600:]}"
+        )
+        assert made == n
+        assert json.loads(out.splitlines()[-1])["alive"] > 0
+    finally:
+        server.close()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -86,9 +86,31 @@ class Sockets:
     def options(self, sock: zmq.Socket[Any], *, server: bool, ipv6: bool) -> None:
         sock.setsockopt(zmq.LINGER, _LINGER_MS)
         sock.setsockopt(zmq.MAXMSGSIZE, _ZMQ_MAX_MSG)
-        sock.setsockopt(zmq.HEARTBEAT_IVL, self._hb[0])
-        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, self._hb[1])
-        sock.setsockopt(zmq.HEARTBEAT_TTL, self._hb[1])
+        # libzmq (4.3.5, and its master in 2026) aborts the process (Assertion
+        # !_io_error, stream_engine_base.cpp; libzmq#3937, #4767) when a connection
+        # whose receive queue is full sees its peer go and then writes: a heartbeat
+        # PING from its timer, or a PONG to a PING the peer queued behind the frames.
+        # Any peer could do that to us, so no socket lets a peer fill its queue:
+        if sock.type == zmq.PUSH:
+            # We never read a PUSH socket: whatever a peer sends into it stays queued
+            # (RCVHWM bounds it) and no PONG is made; no heartbeat timer runs. The
+            # peer's PULL heartbeats us with a TTL, which libzmq honours; TCP ends a
+            # dead link without them, in the kernel, so bytes of a connection that
+            # ZeroMQ gave up cannot arrive later on the peer's still-open side.
+            sock.setsockopt(zmq.RCVHWM, 1)
+            sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
+            sock.setsockopt(zmq.TCP_KEEPALIVE_IDLE, max(1, round(self._hb[0] / 1000)))
+            sock.setsockopt(zmq.TCP_KEEPALIVE_INTVL, max(1, round(self._hb[0] / 1000)))
+            sock.setsockopt(zmq.TCP_KEEPALIVE_CNT, max(1, -(-self._hb[1] // self._hb[0])))
+            sock.setsockopt(zmq.TCP_MAXRT, self._hb[1])  # TCP_USER_TIMEOUT on Linux
+        else:
+            # PULL and SUB we read, PUB reads subscriptions: their queues never stop
+            # input (libzmq reads on); what may queue is bounded by the windows a
+            # legitimate peer keeps to and by how fast our loop drains it.
+            sock.setsockopt(zmq.RCVHWM, 0)
+            sock.setsockopt(zmq.HEARTBEAT_IVL, self._hb[0])
+            sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, self._hb[1])
+            sock.setsockopt(zmq.HEARTBEAT_TTL, self._hb[1])
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
         if ipv6:
             sock.setsockopt(zmq.IPV6, 1)

@@ -73,10 +73,11 @@ class Endpoint(Receiving):
         handshake_timeout: seconds to wait for a peer's Hello before a send fails.
         peer_timeout: seconds a peer may stay unreachable, or take no frame, before
             it is declared lost (at once if it is on this host and its process died).
-        heartbeat_interval: ZMTP heartbeat period; a silent connection is dropped
-            after three periods, and a peer whose connection dropped while ready
-            is declared lost then (frames on their way may be gone; a new session
-            starts when it is back).
+        heartbeat_interval: ZMTP heartbeat period of the sockets we read (our
+            PUSH sockets use TCP keepalive and user timeout on the same clock, spec
+            §3.4); a silent connection is dropped after three periods, and a peer
+            whose connection dropped while ready is declared lost then (frames on
+            their way may be gone; a new session starts when it is back).
         zero_copy: deliver views of the sender's memory, acknowledged on
             ``Delivery.release()``, instead of owned copies.
         receive_buffer, receive_buffer_bytes: undelivered deliveries this endpoint
