@@ -352,6 +352,51 @@ async def test_one_peers_backlog_does_not_hold_the_event_loop() -> None:
 
 
 @pytest.mark.asyncio
+async def test_a_ring_peers_backlog_does_not_hold_the_event_loop() -> None:
+    """The same over a same-host control ring (spec §3.6). Was: the ring's reader
+    bounds a turn to 512 records and 1 MiB, but every record may be a batch of
+    thousands of messages, and all of them were applied in that one turn (14 frames
+    of 500 requests: the loop did not turn between them)."""
+    async with (
+        Endpoint("b", address=ipc_address("b")) as b,
+        Endpoint("a", address=ipc_address("a"), peers={"b": b.address}) as a,
+    ):
+        await a.wait_peer("b", 10)
+        await a.send("b", {"x": 1}, request_id="warm")
+        assert (await b.receive(timeout=10)).request_id == "warm"
+        with anyio.fail_after(10):
+            while a.control_channel("b") != "ring":
+                await anyio.sleep(0.01)
+        writer = a._peers.get("b").ring_writer
+        assert writer is not None
+        frames = [
+            wire.encode(
+                wire.BatchMessage(
+                    messages=tuple(
+                        wire.DataReadyMessage(
+                            request_id=f"r{f}-{i}", from_stage="a", to_stage="b", is_done=True
+                        )
+                        for i in range(500)
+                    )
+                ),
+                version=(1, 1),
+            )
+            for f in range(14)  # about 0.9 MiB: the ring holds them all
+        ]
+        turns = _Turns(b, "frames_received")
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(turns.run)
+            await asyncio.sleep(0)
+            for frame in frames:  # all in the ring before its reader wakes
+                assert writer.send_nowait(frame)
+            await turns.until(turns.start + len(frames), 60)
+        between = turns.between(turns.start + len(frames))
+        # the loop turned between frames of the backlog, not once after all of them
+        assert len(between) >= 5, sorted(between)
+        assert b.counters["protocol_errors"] == 0
+
+
+@pytest.mark.asyncio
 async def test_a_flood_of_aborts_does_not_hold_the_event_loop() -> None:
     """Was: the abort channel's loop applied every abort frame queued at its SUB socket
     without giving the event loop a turn (pyzmq hands a queued frame back without
@@ -428,6 +473,51 @@ async def test_a_frame_of_large_tensor_tables_does_not_hold_the_event_loop() -> 
             assert during >= 3, during
         finally:
             m.close()
+
+
+@pytest.mark.asyncio
+async def test_a_large_frame_on_a_ring_does_not_hold_the_event_loop() -> None:
+    """The same over a same-host control ring. Was: a ring's frames were all decoded
+    on the event loop, whatever their size."""
+    n = 40000  # a frame of about 2.4 MiB, within the 4 MiB window
+    metas = tuple(
+        wire.TensorMeta(dtype="float32", shape=(2, 3), offset=64 * i, nbytes=24, path=f"t{i}")
+        for i in range(n)
+    )
+    async with (
+        Endpoint("b", address=ipc_address("b")) as b,
+        Endpoint("a", address=ipc_address("a"), peers={"b": b.address}) as a,
+    ):
+        await a.wait_peer("b", 10)
+        await a.send("b", {"x": 1}, request_id="warm")
+        assert (await b.receive(timeout=10)).request_id == "warm"
+        with anyio.fail_after(10):
+            while a.control_channel("b") != "ring":
+                await anyio.sleep(0.01)
+        writer = a._peers.get("b").ring_writer
+        assert writer is not None
+        ref = wire.DataRef(
+            object_id=7,
+            kind="payload",
+            backend="shm",
+            layout="packed",
+            ref=wire.BackendRef(backend="shm", info=b"\x80", length=64 * n),
+            tensors=metas,
+        )
+        frame = wire.encode(
+            wire.DataReadyMessage(request_id="big", from_stage="a", to_stage="b", data_ref=ref)
+        )
+        start = b.counters.get("frames_received", 0)
+        nacks = b.counters.get("nacks_sent", 0)
+        during = 0
+        assert writer.send_nowait(frame)  # in fragments, as the reader frees room
+        with anyio.fail_after(60):
+            while b.counters.get("nacks_sent", 0) == nacks:
+                if b.counters.get("frames_received", 0) > start:
+                    during += 1  # the loop turned while the frame was being decoded
+                await asyncio.sleep(0)
+        assert during >= 3, during
+        assert b.counters["protocol_errors"] == 0
 
 
 # -- 5. requests at scale ----------------------------------------------------------------

@@ -728,3 +728,53 @@ async def test_an_attach_cancelled_midway_leaves_no_file_open(yields: int) -> No
 def _mappings(name: str) -> int:
     with open("/proc/self/maps") as f:
         return sum(f"{name}-0" in line for line in f)
+
+
+@pytest.mark.asyncio
+async def test_frames_the_callback_leaves_come_back_first_and_pause_holds_the_ring() -> None:
+    """The consumer bounds its own turn: the frames its callback returns come back, in
+    order, at a later turn and before any newer frame; while it is paused nothing is
+    delivered, and the writer's room stays taken."""
+    reader = RingReader.create(4096)
+    writer = RingWriter.attach(reader.name)
+    calls: list[list[bytes]] = []
+    turn = 0
+
+    def on_frames(frames: list[bytes]) -> list[bytes]:
+        calls.append(frames)
+        return frames[2:]  # two a turn
+
+    async def ticker() -> None:
+        nonlocal turn
+        while True:
+            turn += 1
+            await asyncio.sleep(0)
+
+    try:
+        for i in range(7):
+            assert writer.send_nowait(b"%d" % i)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(ticker)
+            reader.start(on_frames, lambda _e: None)
+            with anyio.fail_after(10):
+                while sum(min(2, len(c)) for c in calls) < 7:
+                    await asyncio.sleep(0)
+            taken = [f for c in calls for f in c[:2]]
+            assert taken == [b"%d" % i for i in range(7)]
+            assert [len(c) for c in calls] == [7, 5, 3, 1]
+            reader.pause()
+            assert writer.send_nowait(b"late")
+            before, seen = len(calls), turn
+            with anyio.fail_after(10):
+                while turn < seen + 20:
+                    await asyncio.sleep(0)
+            assert len(calls) == before  # paused: nothing delivered
+            reader.resume()
+            with anyio.fail_after(10):
+                while len(calls) == before:
+                    await asyncio.sleep(0)
+            assert calls[-1] == [b"late"]
+            tg.cancel_scope.cancel()
+    finally:
+        writer.close()
+        reader.close()

@@ -9,7 +9,7 @@ Bounded work per turn: the control loop gives the event loop a turn after
 of one peer (100,000 requests in a hundred frames) holds the application, the
 other peers' ACKs and liveness for milliseconds, not seconds. The same budget bounds
 what the PULL socket's reader callback applies while the control loop waits, and the
-abort channel's loop. A frame over 1 MiB (up to 65,536 tensor table entries per
+abort channel's loop and a same-host ring's reader. A frame over 1 MiB (up to 65,536 tensor table entries per
 DataRef, each validated in Python) is decoded in a worker thread, so its decode does
 not hold the event loop either.
 """
@@ -127,11 +127,21 @@ class Dispatcher:
         the ring hands over every frame that arrived, which are applied right there."""
         receiver = self.receiver
 
-        def on_frames(frames: list[bytes]) -> None:
-            for frame in frames:
+        def on_frames(frames: list[bytes]) -> list[bytes]:
+            """Apply ``frames`` within one turn's budget; the rest come back later."""
+            self._new_turn()
+            for i, frame in enumerate(frames):
+                if len(frame) > _THREAD_DECODE:
+                    reader.pause()  # the ring waits while a worker thread decodes it
+                    if not self.core.supervisor.spawn(self._ring_frame, peer, reader, frame):
+                        reader.resume()  # closing
+                    return frames[i + 1 :]
                 for p in self.on_frame(frame, abort_channel=False, source=peer.name):
                     if receiver.pump(p):
                         receiver.start_worker(p)  # an object: its worker takes it
+                if self._turn_spent():
+                    return frames[i + 1 :]
+            return []
 
         def on_closed(error: RingError | None) -> None:
             if peer.generation == generation and self.core.state is State.OPEN:
@@ -139,6 +149,18 @@ class Dispatcher:
                 self.peers.lose(peer, f"its control ring ended ({why})")
 
         reader.start(on_frames, on_closed)
+
+    async def _ring_frame(self, peer: Peer, reader: RingReader, frame: bytes) -> None:
+        """:meth:`_on_large_frame` for a ring's frame; the ring resumes after it."""
+        try:
+            self.core.counters["frames_received"] += 1
+            msg = await anyio.to_thread.run_sync(self.decode, frame)
+            if msg is not None:
+                for p in self.apply(msg, abort_channel=False, source=peer.name):
+                    if self.receiver.pump(p):
+                        self.receiver.start_worker(p)
+        finally:
+            reader.resume()
 
     async def abort_loop(self) -> None:
         """Frames from the PUB sockets of the peers we subscribed to, within the same

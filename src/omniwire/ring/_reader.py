@@ -72,9 +72,13 @@ class RingReader:
         self._partial = 0
         self._epoch = 1  # the value of ``sleeping`` while asleep: one more per sleep
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._on_frames: Callable[[list[bytes]], None] | None = None
+        self._on_frames: Callable[[list[bytes]], list[bytes] | None] | None = None
         self._on_closed: Callable[[RingError | None], None] | None = None
         self._scheduled = False
+        #: frames the callback left for later (its turn's budget was spent): delivered
+        #: before any record is taken from the ring again
+        self._held: list[bytes] = []
+        self._paused = False  # pause() until resume(): nothing delivered or taken
         self._ended: RingError | None = None  # set once the ring is over (closed or broken)
         self._done = False
         self._closed = False
@@ -133,14 +137,17 @@ class RingReader:
 
     def start(
         self,
-        on_frames: Callable[[list[bytes]], None],
+        on_frames: Callable[[list[bytes]], list[bytes] | None],
         on_closed: Callable[[RingError | None], None] | None = None,
         *,
         loop: asyncio.AbstractEventLoop | None = None,
     ) -> None:
         """Deliver frames from now on: ``on_frames(batch)`` runs in the event loop with
         every frame available at a wakeup, oldest first (frames the writer sent before
-        ``start`` come at once). ``on_closed(None)`` runs once after the last frame when
+        ``start`` come at once). It returns the frames it did not take (a tail of
+        ``batch``; None or empty: all): they come back first, at a later turn of the
+        loop, and the ring's room stays taken meanwhile (the writer waits for it).
+        ``on_closed(None)`` runs once after the last frame when
         the writer closed; ``on_closed(error)`` once if the shared state turned out
         inconsistent (the ring then stops). Neither runs after :meth:`close`. An
         exception from a callback is logged and does not stop the ring.
@@ -159,6 +166,20 @@ class RingReader:
         self._on_closed = on_closed
         self._loop.add_reader(self._bell.fd, self._on_bell)
         self._schedule()  # frames may be waiting, and a ring may have been consumed
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    def pause(self) -> None:
+        """Deliver nothing and take nothing from the ring until :meth:`resume` (the
+        consumer works on a frame it took, e.g. in a worker thread)."""
+        self._paused = True
+
+    def resume(self) -> None:
+        if self._paused:
+            self._paused = False
+            self._schedule()
 
     async def recv(self) -> list[bytes]:
         """The next batch of frames (at least one), oldest first; an alternative to
@@ -207,6 +228,7 @@ class RingReader:
         self._files.unlink()
         self._files.close()
         self._queue.clear()
+        self._held = []
         self._parts.clear()
         self._wake_recv()
 
@@ -239,10 +261,16 @@ class RingReader:
     def _run(self) -> None:
         """Take every frame there is, then go to sleep — or, if more came meanwhile,
         stay awake and come back after the loop has run the others."""
-        if self._closed or self._done:
-            return
+        if self._closed or self._done or self._paused:
+            return  # (paused: awake for the writer, which so rings no bell)
         words = self._words
         words[W_SLEEPING] = 0
+        if self._held:
+            frames, self._held = self._held, []
+            self._deliver(frames)
+            if not self._closed and not self.paused:
+                self._schedule()  # what is left, or the ring, after the others
+            return
         writer_closed = words[W_WRITER_CLOSED]
         ordered()
         try:
@@ -253,6 +281,11 @@ class RingReader:
         if frames:
             self._deliver(frames)
             if self.closed:  # the callback closed this reader
+                return
+            if self.paused:  # (the callback paused it)
+                return
+            if self._held:
+                self._schedule()  # the rest after the others
                 return
         if not self._files.unlinked and words[W_WRITER_PID]:
             self._files.unlink()
@@ -346,9 +379,12 @@ class RingReader:
     def _deliver(self, frames: list[bytes]) -> None:
         assert self._on_frames is not None
         try:
-            self._on_frames(frames)
+            left = self._on_frames(frames)
         except Exception:
             log.exception("ring %s: the frame callback failed", self.name)
+        else:
+            if left:
+                self._held = list(left)
         self._wake_recv()
 
     def _end(self, error: RingError | None) -> None:
