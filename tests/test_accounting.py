@@ -6,10 +6,12 @@ the failure it names before the mechanism was fixed."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import sys
 import time
 from collections import OrderedDict
+from collections.abc import AsyncIterator
 from multiprocessing import shared_memory
 from typing import Any
 
@@ -23,6 +25,7 @@ from hypothesis import strategies as st
 from omniwire import codec, wire
 from omniwire.endpoint import Endpoint
 from omniwire.errors import AckTimeoutError, FrameTooLargeError, RequestAbortedError
+from omniwire.ring import RingWriter
 from omniwire.routing import PreferenceOrderPolicy
 from omniwire.testing import PeerProcess
 from omniwire.testing.conformance import ipc_address
@@ -351,12 +354,10 @@ async def test_one_peers_backlog_does_not_hold_the_event_loop() -> None:
             m.close()
 
 
-@pytest.mark.asyncio
-async def test_a_ring_peers_backlog_does_not_hold_the_event_loop() -> None:
-    """The same over a same-host control ring (spec §3.6). Was: the ring's reader
-    bounds a turn to 512 records and 1 MiB, but every record may be a batch of
-    thousands of messages, and all of them were applied in that one turn (14 frames
-    of 500 requests: the loop did not turn between them)."""
+@contextlib.asynccontextmanager
+async def _on_a_ring() -> AsyncIterator[tuple[Endpoint, RingWriter]]:
+    """Endpoint ``b`` and the ring writer of ``a``, an endpoint of this process that
+    has switched its frames to ``b`` onto a control ring (spec §3.6)."""
     async with (
         Endpoint("b", address=ipc_address("b")) as b,
         Endpoint("a", address=ipc_address("a"), peers={"b": b.address}) as a,
@@ -369,6 +370,16 @@ async def test_a_ring_peers_backlog_does_not_hold_the_event_loop() -> None:
                 await anyio.sleep(0.01)
         writer = a._peers.get("b").ring_writer
         assert writer is not None
+        yield b, writer
+
+
+@pytest.mark.asyncio
+async def test_a_ring_peers_backlog_does_not_hold_the_event_loop() -> None:
+    """The same over a same-host control ring (spec §3.6). Was: the ring's reader
+    bounds a turn to 512 records and 1 MiB, but every record may be a batch of
+    thousands of messages, and all of them were applied in that one turn (14 frames
+    of 500 requests: the loop did not turn between them)."""
+    async with _on_a_ring() as (b, writer):
         frames = [
             wire.encode(
                 wire.BatchMessage(
@@ -484,18 +495,7 @@ async def test_a_large_frame_on_a_ring_does_not_hold_the_event_loop() -> None:
         wire.TensorMeta(dtype="float32", shape=(2, 3), offset=64 * i, nbytes=24, path=f"t{i}")
         for i in range(n)
     )
-    async with (
-        Endpoint("b", address=ipc_address("b")) as b,
-        Endpoint("a", address=ipc_address("a"), peers={"b": b.address}) as a,
-    ):
-        await a.wait_peer("b", 10)
-        await a.send("b", {"x": 1}, request_id="warm")
-        assert (await b.receive(timeout=10)).request_id == "warm"
-        with anyio.fail_after(10):
-            while a.control_channel("b") != "ring":
-                await anyio.sleep(0.01)
-        writer = a._peers.get("b").ring_writer
-        assert writer is not None
+    async with _on_a_ring() as (b, writer):
         ref = wire.DataRef(
             object_id=7,
             kind="payload",
