@@ -11,7 +11,7 @@ import functools
 import sys
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from multiprocessing import shared_memory
 from typing import Any
 
@@ -445,42 +445,53 @@ async def test_a_flood_of_aborts_does_not_hold_the_event_loop() -> None:
             m.close()
 
 
+def _large_table_frame(n: int, from_stage: str, to_stage: str) -> bytes:
+    """A valid DataReady whose tensor table has ``n`` entries (shm info the receiver
+    refuses: it NACKs the object once the frame is decoded)."""
+    ref = wire.DataRef(
+        object_id=7,
+        kind="payload",
+        backend="shm",
+        layout="packed",
+        ref=wire.BackendRef(backend="shm", info=b"\x80", length=64 * n),
+        tensors=tuple(
+            wire.TensorMeta(dtype="float32", shape=(2, 3), offset=64 * i, nbytes=24, path=f"t{i}")
+            for i in range(n)
+        ),
+    )
+    return wire.encode(
+        wire.DataReadyMessage(
+            request_id="big", from_stage=from_stage, to_stage=to_stage, data_ref=ref
+        )
+    )
+
+
+async def _turns_while_decoded(ep: Endpoint, send: Callable[[], Awaitable[None]]) -> int:
+    """Turns of the event loop between ``ep`` counting the frame ``send`` sends and its
+    NACK of the object in it."""
+    start = ep.counters.get("frames_received", 0)
+    nacks = ep.counters.get("nacks_sent", 0)
+    during = 0
+    await send()
+    with anyio.fail_after(60):
+        while ep.counters.get("nacks_sent", 0) == nacks:
+            if ep.counters.get("frames_received", 0) > start:
+                during += 1  # the loop turned while the frame was being decoded
+            await asyncio.sleep(0)
+    return during
+
+
 @pytest.mark.asyncio
 async def test_a_frame_of_large_tensor_tables_does_not_hold_the_event_loop() -> None:
     """Was: a valid 4 MiB DataReady with a 65,535-entry table was validated on the event
     loop, entry by entry, in one go (three 15 MiB frames stalled it 2-6.5 s)."""
-    n = 65535
-    metas = tuple(
-        wire.TensorMeta(dtype="float32", shape=(2, 3), offset=64 * i, nbytes=24, path=f"t{i}")
-        for i in range(n)
-    )
+    frame = _large_table_frame(65535, "mallory", "victim")
     async with victim_and_friend() as (victim, _friend):
         m = Mallory(victim.address)
         try:
             await m.send(wire.encode(m.hello()))
             await anyio.sleep(0.5)
-            ref = wire.DataRef(
-                object_id=7,
-                kind="payload",
-                backend="shm",
-                layout="packed",
-                ref=wire.BackendRef(backend="shm", info=b"\x80", length=64 * n),
-                tensors=metas,
-            )
-            frame = wire.encode(
-                wire.DataReadyMessage(
-                    request_id="big", from_stage="mallory", to_stage="victim", data_ref=ref
-                )
-            )
-            start = victim.counters.get("frames_received", 0)
-            nacks = victim.counters.get("nacks_sent", 0)
-            during = 0
-            await m.send(frame)
-            with anyio.fail_after(60):
-                while victim.counters.get("nacks_sent", 0) == nacks:
-                    if victim.counters.get("frames_received", 0) > start:
-                        during += 1  # the loop turned while the frame was being decoded
-                    await asyncio.sleep(0)
+            during = await _turns_while_decoded(victim, lambda: m.send(frame))
             assert during >= 3, during
         finally:
             m.close()
@@ -490,32 +501,13 @@ async def test_a_frame_of_large_tensor_tables_does_not_hold_the_event_loop() -> 
 async def test_a_large_frame_on_a_ring_does_not_hold_the_event_loop() -> None:
     """The same over a same-host control ring. Was: a ring's frames were all decoded
     on the event loop, whatever their size."""
-    n = 40000  # a frame of about 2.4 MiB, within the 4 MiB window
-    metas = tuple(
-        wire.TensorMeta(dtype="float32", shape=(2, 3), offset=64 * i, nbytes=24, path=f"t{i}")
-        for i in range(n)
-    )
+    frame = _large_table_frame(40000, "a", "b")  # about 2.4 MiB, within the 4 MiB window
     async with _on_a_ring() as (b, writer):
-        ref = wire.DataRef(
-            object_id=7,
-            kind="payload",
-            backend="shm",
-            layout="packed",
-            ref=wire.BackendRef(backend="shm", info=b"\x80", length=64 * n),
-            tensors=metas,
-        )
-        frame = wire.encode(
-            wire.DataReadyMessage(request_id="big", from_stage="a", to_stage="b", data_ref=ref)
-        )
-        start = b.counters.get("frames_received", 0)
-        nacks = b.counters.get("nacks_sent", 0)
-        during = 0
-        assert writer.send_nowait(frame)  # in fragments, as the reader frees room
-        with anyio.fail_after(60):
-            while b.counters.get("nacks_sent", 0) == nacks:
-                if b.counters.get("frames_received", 0) > start:
-                    during += 1  # the loop turned while the frame was being decoded
-                await asyncio.sleep(0)
+
+        async def send() -> None:
+            assert writer.send_nowait(frame)  # in fragments, as the reader frees room
+
+        during = await _turns_while_decoded(b, send)
         assert during >= 3, during
         assert b.counters["protocol_errors"] == 0
 
