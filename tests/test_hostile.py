@@ -670,3 +670,50 @@ async def test_a_peer_filling_a_socket_then_leaving_does_not_abort_our_process(
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+async def test_a_subscriber_repeating_its_subscription_does_not_grow_our_memory() -> None:
+    """libzmq applies a PUB socket's subscriptions only when the application calls
+    into it, and keeps them queued meanwhile; that queue has no limit now (above), and
+    an endpoint touches its PUB only to publish an abort. Was: 300,000 subscriptions
+    to one topic grew an endpoint that published nothing by 86 MiB. Now libzmq
+    applies them as they come (one topic: nothing grows)."""
+    victim_py = os.path.join(os.path.dirname(__file__), "zmq_victim.py")
+    proc = subprocess.Popen(  # noqa: ASYNC220 (killed in finally)
+        [sys.executable, victim_py, "1.0", "0.01"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdin is not None and proc.stdout is not None
+
+    def rss() -> float:
+        with open(f"/proc/{proc.pid}/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+    def subscribe(abort: str) -> float:
+        """Subscribe 300,000 times to one topic; the victim's growth (MiB)."""
+        before = rss()
+        ctx = zmq.Context()
+        sub = ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.SNDHWM, 0)
+        sub.connect(abort)
+        for _ in range(300_000):
+            sub.setsockopt(zmq.SUBSCRIBE, b"x" * 32)
+        time.sleep(4)  # sent and taken in
+        grown = rss() - before
+        sub.close(0)
+        ctx.term()
+        return grown
+
+    try:
+        line = await anyio.to_thread.run_sync(proc.stdout.readline)
+        await anyio.sleep(0.5)
+        grown = await anyio.to_thread.run_sync(subscribe, json.loads(line)["abort"])
+        await anyio.to_thread.run_sync(proc.communicate, "quit\n", 30)
+        assert proc.returncode == 0
+        assert grown < 32, f"the victim grew by {grown:.0f} MiB"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()

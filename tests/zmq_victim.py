@@ -2,7 +2,7 @@
 then, for tests where a peer might make libzmq abort it:
 ``python zmq_victim.py HEARTBEAT HOLD [PEER_ADDRESS]``.
 
-It prints ``{"ready": address}`` once up (and, given PEER_ADDRESS, after calling
+It prints ``{"ready": address, "abort": abort_address}`` once up (and, given PEER_ADDRESS, after calling
 ``add_peer("mallory", PEER_ADDRESS)``); then, until stdin says ``quit`` (or 60 s
 pass), it sleeps ``HOLD`` seconds *on the loop* (an application step that does
 not yield) and yields for 10 ms, over and over; then it prints ``{"alive": n}``
@@ -26,7 +26,8 @@ async def main(heartbeat: float, hold: float, peer: str | None) -> None:
     ) as victim:
         if peer is not None:
             victim.add_peer("mallory", peer)
-        print(json.dumps({"ready": victim.address}), flush=True)
+        abort = victim._core.control.abort_address
+        print(json.dumps({"ready": victim.address, "abort": abort}), flush=True)
         holds = 0
         async with anyio.create_task_group() as tg:
 

@@ -1,17 +1,23 @@
 """Aborts: the PUB socket this endpoint broadcasts them on, and the SUB socket
 connected to every peer's PUB, one connection per abort address however many
-peers name it."""
+peers name it.
+
+libzmq applies a subscriber's subscriptions when the application calls into the
+PUB socket; until then they wait in its queue, which has no limit (spec §3.4). So
+the PUB's descriptor is watched, and each signal has libzmq apply what waits."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+from typing import cast
 
 import zmq
 import zmq.asyncio
 
 from ..addresses import parse_address
 from ..errors import AddressError, EndpointClosedError
-from ._sockets import Sockets
+from ._sockets import Sockets, remove_reader
 
 
 class Aborts:
@@ -24,6 +30,23 @@ class Aborts:
         self.sub: zmq.asyncio.Socket | None = None
         self._subscriptions: dict[str, str] = {}  # peer -> abort address
         self._sub_refs: dict[str, int] = {}  # abort address -> peers subscribed
+        self._watch: tuple[asyncio.AbstractEventLoop, int] | None = None  # the PUB's FD
+
+    def open_pub(self, *, ipv6: bool) -> zmq.asyncio.Socket:
+        """Make the PUB socket, and have libzmq apply its subscriptions as they come,
+        on the running event loop."""
+        self.pub = pub = self._sockets.socket(zmq.PUB, server=True, ipv6=ipv6)
+        loop = asyncio.get_running_loop()
+        fd = cast(int, pub.getsockopt(zmq.FD))
+        loop.add_reader(fd, self._apply_subscriptions)
+        self._watch = (loop, fd)
+        return pub
+
+    def _apply_subscriptions(self) -> None:
+        pub = self.pub
+        if pub is not None and not pub.closed:
+            with contextlib.suppress(zmq.ZMQError):
+                zmq.Socket.getsockopt(pub, zmq.EVENTS)  # processes its commands: re-arms the FD
 
     def subscribe(self, peer: str, abort_address: str) -> None:
         if not abort_address:
@@ -74,8 +97,12 @@ class Aborts:
             pass  # PUB drops rather than wait; nothing to do
         except zmq.ZMQError as exc:
             raise EndpointClosedError(f"control plane is closed: {exc}") from exc
+        self._apply_subscriptions()  # the send may have taken the FD's signal
 
     def close(self) -> None:
+        watch, self._watch = self._watch, None
+        if watch is not None:
+            remove_reader(*watch)  # before the socket (and its FD) goes
         for sock in (self.pub, self.sub):
             self._sockets.close(sock)
         self.pub = self.sub = None

@@ -111,7 +111,7 @@ class ControlPlane:
             sockets.start()
             ipv6 = self._bind_addr.is_ipv6
             self._inbox.pull = pull = sockets.socket(zmq.PULL, server=True, ipv6=ipv6)
-            self._aborts.pub = pub = sockets.socket(zmq.PUB, server=True, ipv6=ipv6)
+            pub = self._aborts.open_pub(ipv6=ipv6)
             self._aborts.sub = sub = sockets.socket(zmq.SUB, server=False)
             sub.setsockopt(zmq.SUBSCRIBE, b"")
             sockets.bind(pull, self._bind_addr)

@@ -10,7 +10,6 @@ the callback, then the waiting task."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -19,7 +18,7 @@ import zmq.asyncio
 
 from .. import hops
 from ..errors import EndpointClosedError
-from ._sockets import Sockets, closed_error, fail_all
+from ._sockets import Sockets, closed_error, fail_all, remove_reader
 
 #: As a plain int: ``int & zmq.POLLIN`` builds an IntFlag (~2 µs, at every wake-up).
 _POLLIN = int(zmq.POLLIN)
@@ -125,18 +124,8 @@ class Inbox:
 
     def _unwatch(self) -> None:
         watch, self._watch = self._watch, None
-        if watch is None or watch[0].is_closed():
-            return
-        loop, fd = watch[0], watch[1]
-        try:
-            on_loop = asyncio.get_running_loop() is loop
-        except RuntimeError:
-            on_loop = False
-        if on_loop:
-            loop.remove_reader(fd)
-        else:  # closed from another thread: the loop's own thread unregisters it
-            with contextlib.suppress(RuntimeError):
-                loop.call_soon_threadsafe(loop.remove_reader, fd)
+        if watch is not None:
+            remove_reader(watch[0], watch[1])
 
     async def read(self, sock: zmq.asyncio.Socket) -> bytes:
         """The next frame of ``sock``, one at a time (through pyzmq's futures)."""

@@ -45,6 +45,21 @@ def fail_all(futures: Iterable[asyncio.Future[Any]], error: Callable[[], BaseExc
             fut.set_exception(error())
 
 
+def remove_reader(loop: asyncio.AbstractEventLoop, fd: int) -> None:
+    """Unregister ``fd`` from ``loop``, from its thread or from another one."""
+    if loop.is_closed():
+        return
+    try:
+        on_loop = asyncio.get_running_loop() is loop
+    except RuntimeError:
+        on_loop = False
+    if on_loop:
+        loop.remove_reader(fd)
+    else:  # closed from another thread: the loop's own thread unregisters it
+        with contextlib.suppress(RuntimeError):
+            loop.call_soon_threadsafe(loop.remove_reader, fd)
+
+
 class Sockets:
     """The context of one control plane and every socket made in it.
 
@@ -104,9 +119,9 @@ class Sockets:
             sock.setsockopt(zmq.TCP_KEEPALIVE_CNT, max(1, -(-self._hb[1] // self._hb[0])))
             sock.setsockopt(zmq.TCP_MAXRT, self._hb[1])  # TCP_USER_TIMEOUT on Linux
         else:
-            # PULL and SUB we read, PUB reads subscriptions: their queues never stop
-            # input (libzmq reads on); what may queue is bounded by the windows a
-            # legitimate peer keeps to and by how fast our loop drains it.
+            # PULL and SUB we read, PUB reads subscriptions (Aborts): their queues
+            # never stop input (libzmq reads on); what may queue is bounded by the
+            # windows a legitimate peer keeps to and by how fast our loop drains it.
             sock.setsockopt(zmq.RCVHWM, 0)
             sock.setsockopt(zmq.HEARTBEAT_IVL, self._hb[0])
             sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, self._hb[1])
