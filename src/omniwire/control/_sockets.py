@@ -112,10 +112,11 @@ class Sockets:
             # peer's PULL heartbeats us with a TTL, which libzmq honours; TCP ends a
             # dead link without them, in the kernel, so bytes of a connection that
             # ZeroMQ gave up cannot arrive later on the peer's still-open side.
+            interval_s = max(1, round(self._hb[0] / 1000))  # keepalive counts seconds
             sock.setsockopt(zmq.RCVHWM, 1)
             sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
-            sock.setsockopt(zmq.TCP_KEEPALIVE_IDLE, max(1, round(self._hb[0] / 1000)))
-            sock.setsockopt(zmq.TCP_KEEPALIVE_INTVL, max(1, round(self._hb[0] / 1000)))
+            sock.setsockopt(zmq.TCP_KEEPALIVE_IDLE, interval_s)
+            sock.setsockopt(zmq.TCP_KEEPALIVE_INTVL, interval_s)
             sock.setsockopt(zmq.TCP_KEEPALIVE_CNT, max(1, -(-self._hb[1] // self._hb[0])))
             sock.setsockopt(zmq.TCP_MAXRT, self._hb[1])  # TCP_USER_TIMEOUT on Linux
         else:

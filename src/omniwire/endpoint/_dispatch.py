@@ -8,10 +8,10 @@ Bounded work per turn: the control loop gives the event loop a turn after
 ``_TURN_MESSAGES`` messages or ``_TURN_SECONDS`` of applying frames, so a backlog
 of one peer (100,000 requests in a hundred frames) holds the application, the
 other peers' ACKs and liveness for milliseconds, not seconds. The same budget bounds
-what the PULL socket's reader callback applies while the control loop waits, and the
-abort channel's loop and a same-host ring's reader. A frame over 1 MiB (up to 65,536 tensor table entries per
-DataRef, each validated in Python) is decoded in a worker thread, so its decode does
-not hold the event loop either.
+what the PULL socket's reader callback applies while the control loop waits, the
+abort channel's loop, and a same-host ring's reader. A frame over 1 MiB (up to
+65,536 tensor table entries per DataRef, each validated in Python) is decoded in a
+worker thread, so its decode does not hold the event loop either.
 """
 
 from __future__ import annotations
@@ -153,12 +153,9 @@ class Dispatcher:
     async def _ring_frame(self, peer: Peer, reader: RingReader, frame: bytes) -> None:
         """:meth:`_on_large_frame` for a ring's frame; the ring resumes after it."""
         try:
-            self.core.counters["frames_received"] += 1
-            msg = await anyio.to_thread.run_sync(self.decode, frame)
-            if msg is not None:
-                for p in self.apply(msg, abort_channel=False, source=peer.name):
-                    if self.receiver.pump(p):
-                        self.receiver.start_worker(p)
+            for p in await self._on_large_frame(frame, source=peer.name):
+                if self.receiver.pump(p):
+                    self.receiver.start_worker(p)
         finally:
             reader.resume()
 
@@ -185,13 +182,13 @@ class Dispatcher:
         msg = self.decode(frame)
         return [] if msg is None else self.apply(msg, abort_channel=abort_channel, source=source)
 
-    async def _on_large_frame(self, frame: bytes) -> list[Peer]:
+    async def _on_large_frame(self, frame: bytes, source: str | None = None) -> list[Peer]:
         """:meth:`on_frame` for a frame of more than ``_THREAD_DECODE`` bytes: decoded in
         a worker thread (its validation runs Python per tensor table entry, and yields
         the interpreter to the event loop every few ms), applied here, in order."""
         self.core.counters["frames_received"] += 1
         msg = await anyio.to_thread.run_sync(self.decode, frame)
-        return [] if msg is None else self.apply(msg, abort_channel=False)
+        return [] if msg is None else self.apply(msg, abort_channel=False, source=source)
 
     def decode(self, frame: bytes) -> wire.Message | None:
         """The frame's message; None (counted, logged at a bounded rate) if it has none."""
