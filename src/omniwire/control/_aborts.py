@@ -4,20 +4,44 @@ peers name it.
 
 libzmq applies a subscriber's subscriptions when the application calls into the
 PUB socket; until then they wait in its queue, which has no limit (spec §3.4). So
-the PUB's descriptor is watched, and each signal has libzmq apply what waits."""
+the PUB's descriptor is watched, and each signal has libzmq apply what waits.
+
+libzmq also keeps every distinct topic a subscriber names for as long as it stays
+connected, and no socket option bounds them or drops one subscriber. Subscribers
+need only the empty topic (spec §3.4), so the PUB is an XPUB, which reports each
+topic when its first subscriber adds it and when its last one goes: past
+``MAX_TOPICS`` the socket is closed and bound anew at the same address. Every
+subscriber's connection ends with it; ours reconnect by themselves and subscribe
+again, and the broadcast is best effort (aborts also go directly, §7.5)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from typing import cast
 
 import zmq
 import zmq.asyncio
 
-from ..addresses import parse_address
-from ..errors import AddressError, EndpointClosedError
+from .._ratelimit import RateLimitedLog
+from ..addresses import Address, parse_address
+from ..errors import AddressError, AddressInUseError, EndpointClosedError
 from ._sockets import Sockets, remove_reader
+
+log = logging.getLogger("omniwire.control")
+_noisy = RateLimitedLog(log, interval=10.0)  # a subscriber may make us renew over and over
+
+#: Distinct topics the abort socket's subscribers may hold together before it is
+#: made anew (they need one: the empty topic).
+MAX_TOPICS = 64
+#: The largest subscription message taken (a larger one ends its connection).
+_MAX_SUBSCRIPTION = 1024
+#: Subscription notices read per event-loop turn.
+_NOTICES_PER_TURN = 256
+#: A new socket's bind is retried while the old one's listener closes (libzmq closes
+#: it in its I/O thread): every 10 ms, this many times.
+_BIND_TRIES = 200
 
 
 class Aborts:
@@ -31,11 +55,18 @@ class Aborts:
         self._subscriptions: dict[str, str] = {}  # peer -> abort address
         self._sub_refs: dict[str, int] = {}  # abort address -> peers subscribed
         self._watch: tuple[asyncio.AbstractEventLoop, int] | None = None  # the PUB's FD
+        self._ipv6 = False
+        self._topics: set[bytes] = set()  # held by the PUB's subscribers
+        self._rebind: asyncio.TimerHandle | None = None  # a bind of a new PUB, retried
+        #: Times the PUB was made anew (its subscribers named too many topics).
+        self.renewals = 0
 
     def open_pub(self, *, ipv6: bool) -> zmq.asyncio.Socket:
-        """Make the PUB socket, and have libzmq apply its subscriptions as they come,
-        on the running event loop."""
-        self.pub = pub = self._sockets.socket(zmq.PUB, server=True, ipv6=ipv6)
+        """Make the PUB socket (the caller binds it), and have libzmq apply its
+        subscriptions as they come, on the running event loop."""
+        self._ipv6 = ipv6
+        self.pub = pub = self._sockets.socket(zmq.XPUB, server=True, ipv6=ipv6)
+        pub.setsockopt(zmq.MAXMSGSIZE, _MAX_SUBSCRIPTION)
         loop = asyncio.get_running_loop()
         fd = cast(int, pub.getsockopt(zmq.FD))
         loop.add_reader(fd, self._apply_subscriptions)
@@ -43,10 +74,72 @@ class Aborts:
         return pub
 
     def _apply_subscriptions(self) -> None:
+        """Have libzmq apply what subscribers sent, and count the topics they hold
+        (reading until libzmq has nothing more re-arms the descriptor)."""
         pub = self.pub
-        if pub is not None and not pub.closed:
-            with contextlib.suppress(zmq.ZMQError):
-                zmq.Socket.getsockopt(pub, zmq.EVENTS)  # processes its commands: re-arms the FD
+        if pub is None or pub.closed:
+            return
+        topics = self._topics
+        try:
+            for _ in range(_NOTICES_PER_TURN):
+                notice = zmq.Socket.recv(pub, zmq.NOBLOCK)
+                if notice[:1] == b"\x01":
+                    topics.add(notice[1:])
+                else:
+                    topics.discard(notice[1:])
+            else:  # more may wait: the next turn reads on
+                asyncio.get_running_loop().call_soon(self._apply_subscriptions)
+        except zmq.Again:
+            pass
+        except zmq.ZMQError:
+            return
+        if len(topics) > MAX_TOPICS:
+            self._renew(pub)
+
+    def _renew(self, old: zmq.asyncio.Socket) -> None:
+        """Close the PUB, whose subscribers hold too many topics, and bind a new one
+        at its address."""
+        where = old.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.renewals += 1
+        _noisy.log(
+            logging.WARNING,
+            "abort_topics",
+            "abort socket %s: its subscribers named %d topics (at most %d are kept; the "
+            "empty one is all a peer needs): made anew, which drops every subscriber",
+            where,
+            len(self._topics),
+            MAX_TOPICS,
+        )
+        self._close_pub()
+        self.open_pub(ipv6=self._ipv6)
+        self._bind_again(parse_address(where, what="abort address"), _BIND_TRIES)
+
+    def _bind_again(self, addr: Address, tries: int) -> None:
+        self._rebind = None
+        pub = self.pub
+        if pub is None:
+            return
+        try:
+            self._sockets.bind(pub, addr)
+        except AddressInUseError:  # the old socket's listener is still closing
+            if tries > 1:
+                loop = asyncio.get_running_loop()
+                self._rebind = loop.call_later(0.01, self._bind_again, addr, tries - 1)
+                return
+            log.error("abort socket: cannot bind %s again; aborts go only directly", addr)
+        except AddressError as exc:
+            log.error("abort socket: cannot bind %s again (%s); aborts go only directly", addr, exc)
+
+    def _close_pub(self) -> None:
+        watch, self._watch = self._watch, None
+        if watch is not None:
+            remove_reader(*watch)  # before the socket (and its FD) goes
+        if self._rebind is not None:
+            self._rebind.cancel()
+            self._rebind = None
+        self._sockets.close(self.pub)
+        self.pub = None
+        self._topics.clear()
 
     def subscribe(self, peer: str, abort_address: str) -> None:
         if not abort_address:
@@ -90,7 +183,8 @@ class Aborts:
         return dict(self._sub_refs)
 
     def publish(self, frame: bytes) -> None:
-        assert self.pub is not None
+        if self.pub is None:  # made anew and not bound again: no subscriber to drop it for
+            return
         try:
             zmq.Socket.send(self.pub, frame, zmq.DONTWAIT)
         except zmq.Again:
@@ -100,11 +194,8 @@ class Aborts:
         self._apply_subscriptions()  # the send may have taken the FD's signal
 
     def close(self) -> None:
-        watch, self._watch = self._watch, None
-        if watch is not None:
-            remove_reader(*watch)  # before the socket (and its FD) goes
-        for sock in (self.pub, self.sub):
-            self._sockets.close(sock)
-        self.pub = self.sub = None
+        self._close_pub()
+        self._sockets.close(self.sub)
+        self.sub = None
         self._subscriptions.clear()
         self._sub_refs.clear()

@@ -232,6 +232,12 @@ class ControlPlane:
         """Abort addresses the SUB socket is connected to, with how many peers name each."""
         return self._aborts.subscribed()
 
+    @property
+    def abort_renewals(self) -> int:
+        """Times the abort socket was closed and bound anew because its subscribers
+        named too many topics (see ``_aborts``)."""
+        return self._aborts.renewals
+
     def events(self, peer: str) -> AsyncIterator[PeerEvent]:
         """Connection events of the PUSH socket to ``peer``, until it is released."""
         return self._links.events(peer)
