@@ -189,6 +189,24 @@ class SendReceipt:
     :attr:`outcome`.
     """
 
+    __slots__ = (
+        "_callbacks",
+        "_done",
+        "_event",
+        "_final",
+        "_settled",
+        "backend",
+        "error",
+        "finished",
+        "nbytes",
+        "object_id",
+        "observed",
+        "outcome",
+        "peer",
+        "request_id",
+        "started",
+    )
+
     def __init__(
         self, peer: str, request_id: str, object_id: int | None, backend: str, nbytes: int
     ) -> None:
@@ -237,10 +255,18 @@ class SendReceipt:
     @classmethod
     def completed(cls, peer: str, request_id: str, backend: str, nbytes: int) -> SendReceipt:
         """A receipt for data that needs no ACK (inline chunks, stream ends)."""
-        receipt = cls(peer, request_id, None, backend, nbytes)
-        # resolve() and settle("sent") of a receipt nobody waits on yet, in place
+        # __init__, resolve() and settle("sent") of a receipt nobody waits on yet, in
+        # place (one runs per inline chunk)
+        receipt = cls.__new__(cls)
+        receipt.peer = peer
+        receipt.request_id = request_id
+        receipt.object_id = None
+        receipt.backend = backend
+        receipt.nbytes = nbytes
+        receipt.started = receipt.finished = time.monotonic()
+        receipt.error = receipt._event = receipt._callbacks = receipt._settled = None
         receipt._done = receipt._final = True
-        receipt.finished = receipt.started
+        receipt.observed = False
         receipt.outcome = "sent"
         return receipt
 

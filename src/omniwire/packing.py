@@ -189,9 +189,10 @@ def pack_bytes(tensors: Sequence[torch.Tensor], layout: PackPlan) -> bytes:
     padding is zero)."""
     if len(tensors) == 1 and layout.nbytes:  # at offset 0, no padding: the common case
         t = tensors[0]
-        if t.is_cpu and holds_its_values(t):
-            if t.is_contiguous():  # the bytes as they lie, any dtype (0.55 µs less than numpy)
-                return ctypes.string_at(t.data_ptr(), layout.nbytes)
+        # (a lazy zero tensor has no memory: its data_ptr() is 0; see holds_its_values)
+        if t.is_cpu and (at := t.data_ptr()) and not (t.is_neg() or t.is_conj()):
+            if t.is_contiguous():  # the bytes as they lie, any dtype (0.75 µs less than numpy)
+                return _copy_out(at, layout.nbytes)
             # numpy writes C order whatever the strides, at half the cost of the generic
             # path below; what it refuses is not tried (torch's refusal costs 18 µs)
             if t.dtype in _NUMPY_TORCH and not t.requires_grad:
@@ -212,6 +213,20 @@ def pack_bytes(tensors: Sequence[torch.Tensor], layout: PackPlan) -> bytes:
             parts.append(ctypes.string_at(t.data_ptr(), meta.nbytes))
         at = meta.offset + meta.nbytes
     return b"".join(parts)
+
+
+def _copy_out(address: int, nbytes: int) -> bytes:
+    """``nbytes`` bytes at ``address`` (through a ctypes array type per size, kept for
+    the sizes seen lately: twice as fast as ``ctypes.string_at``)."""
+    array = _BYTES_AT.get(nbytes)
+    if array is None:
+        if len(_BYTES_AT) >= PLANS_MAX:
+            _BYTES_AT.clear()
+        array = _BYTES_AT[nbytes] = ctypes.c_char * nbytes
+    return array.from_address(address).raw
+
+
+_BYTES_AT: dict[int, type[ctypes.Array[ctypes.c_char]]] = {}
 
 
 def holds_its_values(t: torch.Tensor) -> bool:
