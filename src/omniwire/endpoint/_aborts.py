@@ -56,6 +56,7 @@ class Aborts:
         #: request id -> the peers that saw it, the least recently active first
         self._peers_of: OrderedDict[str, set[str]] = OrderedDict()
         self._peers_of_bytes = 0
+        self._newest: str | None = None  # the last key of _peers_of, when known
         self._guards: dict[str, set[SendGuard]] = {}
 
     # -- guards ------------------------------------------------------------------
@@ -129,8 +130,10 @@ class Aborts:
             while len(peers_of) > self.memory or self._peers_of_bytes > ABORT_MEMORY_BYTES:
                 rid, _ = peers_of.popitem(last=False)
                 self._peers_of_bytes -= len(rid)
-        elif next(reversed(peers_of)) != request_id:
+            self._newest = request_id if peers_of else None
+        elif request_id != self._newest:  # (a stream's chunks after its first: no move)
             peers_of.move_to_end(request_id)  # still active: forgotten last
+            self._newest = request_id
         peers.add(peer)
 
     def seen(self, request_id: str) -> bool:
@@ -147,6 +150,8 @@ class Aborts:
         if peers is None:
             return set()
         self._peers_of_bytes -= len(request_id)
+        if request_id == self._newest:
+            self._newest = None
         return peers
 
 

@@ -32,6 +32,9 @@ class State(enum.Enum):
     CLOSED = "closed"
 
 
+_OPEN = State.OPEN  # (a module global: reading it through the enum costs 70 ns)
+
+
 @dataclass(eq=False)
 class Core:
     """One endpoint's shared state; each part (peers, sender, receiver) holds it."""
@@ -86,7 +89,7 @@ class Core:
 
     def check_open(self) -> None:
         """Raises EndpointNotStartedError / EndpointClosedError unless the endpoint is open."""
-        if self.state is State.OPEN:
+        if self.state is _OPEN:  # (runs for every send)
             return
         if self.state is State.NEW:
             raise EndpointNotStartedError(

@@ -34,7 +34,7 @@ from ._core import Core
 from ._deliveries import Deliveries
 from ._peers import PeerTable
 from ._reading import ObjectReader, Share, nack_of
-from ._records import InRecord, Peer, PeerStatus
+from ._records import READY, InRecord, Peer, PeerStatus
 
 __all__ = ["Receiver"]
 
@@ -95,7 +95,7 @@ class Receiver:
             return False
         inbox = peer.inbox
         if record is None:
-            if not inbox and not peer.busy and not peer.worker and peer.status is PeerStatus.READY:
+            if not inbox and not peer.busy and not peer.worker and peer.status is READY:
                 self.take_message(peer, msg, charge)  # the common case: nothing queued before it
                 return False
             inbox.append(msg)
@@ -124,7 +124,7 @@ class Receiver:
 
     def _reopen(self, peer: Peer, increment: int) -> None:
         hello = peer.hello
-        if increment and hello is not None and hello.window and peer.status is PeerStatus.READY:
+        if increment and hello is not None and hello.window and peer.status is READY:
             self.core.outbox.post(
                 peer,
                 wire.WindowMessage(
@@ -172,7 +172,7 @@ class Receiver:
         (nothing of them waits). Returns True if the object then at the head can be taken
         without waiting too — the caller may ``await take_head(peer)`` — else a worker
         task takes the rest."""
-        if peer.busy or peer.worker or peer.status is not PeerStatus.READY:
+        if peer.busy or peer.worker or peer.status is not READY:
             return False
         inbox = peer.inbox
         while inbox and isinstance(head := inbox.head(), wire.DataReadyMessage):
@@ -207,7 +207,7 @@ class Receiver:
 
     async def _drain(self, peer: Peer, generation: int) -> None:
         try:
-            while peer.inbox and peer.generation == generation and peer.status is PeerStatus.READY:
+            while peer.inbox and peer.generation == generation and peer.status is READY:
                 await self._take_next(peer)
         finally:
             peer.worker = False

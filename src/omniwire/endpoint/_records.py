@@ -30,6 +30,7 @@ from ._inbox import Inbox
 from ._stats import RouteStats
 
 __all__ = [
+    "READY",
     "ExportShare",
     "ForwardedExport",
     "InRecord",
@@ -45,6 +46,11 @@ class PeerStatus(enum.Enum):
     READY = "ready"  # Hello accepted, backends connected, our PUSH is up
     LOST = "lost"  # died, hung, or disconnected too long
     CLOSED = "closed"  # said Goodbye
+
+
+#: ``PeerStatus.READY``, for the per-message paths: reading a member through its
+#: enum class costs 70 ns in Python 3.11, a module global 5.
+READY = PeerStatus.READY
 
 
 @dataclass(eq=False, kw_only=True)

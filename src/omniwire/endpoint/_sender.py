@@ -45,7 +45,7 @@ from ._core import Core
 from ._exporting import export_bytes, publish_rest
 from ._inline import Kind, carried_inline, fit, inline_message, payload_info, unaccount
 from ._peers import PeerTable
-from ._records import ForwardedExport, OutRecord, Peer, PeerStatus, SharedExport
+from ._records import READY, ForwardedExport, OutRecord, Peer, PeerStatus, SharedExport
 from ._stats import RouteStats
 
 if TYPE_CHECKING:
@@ -99,7 +99,7 @@ class Sender:
         meta = self.metadata(metadata)
         peer = self.peers.get(target)
         ready: tuple[Peer, packing.PackPlan, Route] | None = None
-        if peer is not None and peer.status is PeerStatus.READY:
+        if peer is not None and peer.status is READY:
             # The fast path: a small payload to a ready peer with room in its queue waits
             # for nothing, so it needs no guard and no trip around the event loop.
             layout = packing.plan(enc.tensors, enc.paths)

@@ -71,6 +71,9 @@ class PeerState(enum.Enum):
     __hash__ = object.__hash__
 
 
+_ACTIVE = PeerState.ACTIVE  # (a module global: reading it through the enum costs 70 ns)
+
+
 class HelloOutcome(enum.Enum):
     NEW = "new"  # first Hello from this peer (or first after it closed)
     DUPLICATE = "duplicate"  # same instance again (e.g. a reconnect)
@@ -252,11 +255,7 @@ class Session(Generic[O, I]):
     def on_data_ready(self, msg: DataReadyMessage, record: I | None) -> None:
         """Check a DataReady and open the inbound object it announces (``record``,
         built by the caller from ``msg.data_ref``; None when it carries no DataRef)."""
-        if (
-            msg.data_ref is None
-            and self.state is PeerState.ACTIVE
-            and msg.to_stage == self.local_name
-        ):
+        if msg.data_ref is None and self.state is _ACTIVE and msg.to_stage == self.local_name:
             return  # :meth:`check` of an inline message or a stream end, in one test
         self.check(msg)
         if record is not None:
