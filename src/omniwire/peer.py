@@ -95,6 +95,11 @@ class Tally:
         self.latencies: dict[str, list[int]] = {}
         self.groups: dict[str, list[str]] = {}
 
+    def count(self, request_id: str) -> None:
+        """Count one chunk that carries no metadata (it cannot complete its group)."""
+        counts = self.counts
+        counts[request_id] = counts.get(request_id, 0) + 1
+
     def add(self, request_id: str, meta: dict[str, Any], now_ns: int) -> tuple[str, Any] | None:
         """Count one chunk; returns ``(group, answer)`` when its group is complete."""
         self.counts[request_id] = self.counts.get(request_id, 0) + 1
@@ -223,7 +228,14 @@ async def run(args: argparse.Namespace) -> int:
                 tally = Tally()
                 targets = [t for t in args.forward_to.split(",") if t]
                 origins: dict[str, str] = {}
+                # a chunk without metadata, most of a stream, is only counted
+                counting = args.mode == "bench" and not args.delay and not args.exit_after
                 async for d in ep:
+                    if counting and d.metadata is None and d.kind == "stream_chunk":
+                        tally.count(d.request_id)
+                        d.release()
+                        handled += 1
+                        continue
                     now_ns = time.monotonic_ns()
                     meta = d.metadata if isinstance(d.metadata, dict) else {}
                     if args.mode == "bench" and meta.get("hold"):
