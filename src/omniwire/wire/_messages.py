@@ -10,7 +10,7 @@ field never changes type; readers ignore fields they do not know.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Final, Literal
 
 import msgspec
 
@@ -116,6 +116,11 @@ class _Base(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Fal
     through it, and a stream of them then never triggers a full collection)."""
 
 
+#: Characters that fit their byte limits whatever they are (UTF-8: at most 4 each).
+_RID_CHARS: Final = MAX_REQUEST_ID_BYTES // 4
+_NAME_CHARS: Final = MAX_NAME_BYTES // 4
+
+
 class _Valid:
     """What passed a validation that depends only on the values checked (a pure
     function of them), so that the same entry seen again — every chunk of a stream
@@ -131,14 +136,6 @@ class _Valid:
         self.keys: set[object] = set()
         self.limit = limit
         self.weight = 0
-
-    def known(self, key: object) -> bool | None:
-        """True: passed before; False: not (yet); None: unhashable (a list built by
-        hand), so never remembered."""
-        try:
-            return key in self.keys
-        except TypeError:
-            return None
 
     def add(self, key: object, weight: int = 1) -> None:
         keys = self.keys
@@ -172,9 +169,12 @@ class TensorMeta(_Base, frozen=True, kw_only=True):
     path: str = ""
 
     def __post_init__(self) -> None:
-        known = _VALID_METAS.known(self)
-        if known:  # equal to one checked before: valid
-            return
+        try:
+            if self in _VALID_METAS.keys:  # equal to one checked before: valid
+                return
+            known: bool | None = False
+        except TypeError:  # unhashable (a list built by hand): never remembered
+            known = None
         self._check()
         if known is False and len(self.path) <= _MEMO_PATH:
             _VALID_METAS.add(self)
@@ -296,11 +296,15 @@ class InlineStreamChunkRef(_Base, frozen=True, kw_only=True):
 
     def __post_init__(self) -> None:
         size = len(self.data)
-        small = len(self.tensors) <= _MEMO_TENSORS
         key = (self.tensors, size)
-        known = _VALID_INLINE.known(key) if small else None
-        if known:  # the table of a chunk seen before, with as many bytes
-            return
+        known: bool | None = None
+        if len(self.tensors) <= _MEMO_TENSORS:
+            try:
+                if key in _VALID_INLINE.keys:  # the table of a chunk seen before, as long
+                    return
+                known = False
+            except TypeError:  # unhashable (a list built by hand): never remembered
+                pass
         self._check(size)
         if known is False and all(len(t.path) <= _MEMO_PATH for t in self.tensors):
             _VALID_INLINE.add(key, max(1, len(self.tensors)))
@@ -426,8 +430,20 @@ class DataReadyMessage(_Base, frozen=True, kw_only=True, tag="data_ready", tag_f
     traceparent: str = ""
 
     def __post_init__(self) -> None:
-        # The common case in one test (every message of a stream runs this twice);
-        # the checks below say what is wrong otherwise.
+        # The common case in one test (every message of a stream runs this twice):
+        # names within bounds, a chunk id, no error, exactly one of the two data
+        # fields, a short traceparent. The checks below say what is wrong otherwise.
+        if (
+            0 < len(self.request_id) <= _RID_CHARS
+            and 0 < len(self.from_stage) <= _NAME_CHARS
+            and 0 < len(self.to_stage) <= _NAME_CHARS
+            and type(self.chunk_id) is int
+            and 0 <= self.chunk_id <= U64_MAX
+            and self.error is None
+            and (self.inline is None) is not (self.data_ref is None)
+            and len(self.traceparent) <= _NAME_CHARS
+        ):
+            return
         if not (
             0 < len(self.request_id) <= MAX_REQUEST_ID_BYTES // 4
             and 0 < len(self.from_stage) <= MAX_NAME_BYTES // 4
