@@ -434,7 +434,23 @@ def unpack_inline(inline: InlineStreamChunkRef) -> list[torch.Tensor]:
     Raises:
         WireFormatError: an entry torch cannot view (as :func:`unpack`).
     """
-    return _unpack_bytes(bytearray(inline.data), inline.tensors, checked=True)
+    metas = inline.tensors
+    if len(metas) == 1:  # the common case: one 1-D tensor filling the data
+        meta = metas[0]
+        dtype = _FROMBUFFER.get(meta.dtype)
+        if (
+            dtype is not None
+            and len(meta.shape) == 1
+            and meta.offset == 0
+            and 0 < meta.nbytes == len(inline.data)
+        ):
+            # torch's view of the copy: 0.2 µs less than numpy's, its release included
+            return [torch.frombuffer(bytearray(inline.data), dtype=dtype)]
+    return _unpack_bytes(bytearray(inline.data), metas, checked=True)
+
+
+#: The dtypes :func:`unpack_inline` has torch view directly (those numpy knows too).
+_FROMBUFFER: Final[dict[str, torch.dtype]] = {name: _TORCH_DTYPES[name] for name in _NUMPY}
 
 
 def _unpack_bytes(
