@@ -200,7 +200,6 @@ class SendReceipt:
         "finished",
         "nbytes",
         "object_id",
-        "observed",
         "outcome",
         "peer",
         "request_id",
@@ -220,7 +219,6 @@ class SendReceipt:
         self.error: BaseException | None = None
         self._done = False
         self._event: anyio.Event | None = None  # made by the first wait on a pending receipt
-        self.observed = False
         self._callbacks: list[Callable[[SendReceipt], None]] | None = None
         self.outcome: Outcome = "pending"
         self._final = False  # the outcome will not change
@@ -266,7 +264,6 @@ class SendReceipt:
         receipt.started = receipt.finished = time.monotonic()
         receipt.error = receipt._event = receipt._callbacks = receipt._settled = None
         receipt._done = receipt._final = True
-        receipt.observed = False
         receipt.outcome = "sent"
         return receipt
 
@@ -319,7 +316,6 @@ class SendReceipt:
 
     async def wait(self, timeout: float | None = None) -> None:
         """Wait for the ACK. Raises the failure, or TimeoutError after ``timeout``."""
-        self.observed = True
         if not self._done:
             if self._event is None:
                 self._event = anyio.Event()

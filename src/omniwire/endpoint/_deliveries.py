@@ -250,10 +250,17 @@ class Deliveries:
         for consumer in self._scoped.get(rid, ()):
             if consumer.stage_ok(delivery):
                 consumer.event.set()
-        if self._unscoped and not self._held(delivery):
-            for consumer in self._unscoped:
+        unscoped = self._unscoped
+        if unscoped and not self._held(delivery):
+            # a woken consumer leaves the list (it comes back if it finds nothing):
+            # the rest of a burst does not wake it again, delivery after delivery
+            left = []
+            for consumer in unscoped:
                 if consumer.stage_ok(delivery):
                     consumer.event.set()
+                else:
+                    left.append(consumer)
+            unscoped[:] = left
 
     # -- out -----------------------------------------------------------------------
 
@@ -357,9 +364,13 @@ class Deliveries:
                 with anyio.move_on_after(timeout):
                     await consumer.event.wait()
         finally:
-            waiting.remove(consumer)
-            if rid is not None and not waiting:
-                del self._scoped[rid]
+            if rid is None:
+                with contextlib.suppress(ValueError):  # (put() took it off once it woke it)
+                    waiting.remove(consumer)
+            else:
+                waiting.remove(consumer)
+                if not waiting:
+                    del self._scoped[rid]
 
     def _find(self, consumer: _Consumer) -> tuple[int, Delivery] | None:
         rid = consumer.request_id
