@@ -218,10 +218,18 @@ def test_as_byte_tensor_views_odd_buffers_or_says_why_not() -> None:
         packing.as_byte_tensor(torch.zeros(4, dtype=torch.int32))
 
 
-def test_unpack_inline_views_a_private_copy_of_the_chunk() -> None:
+@pytest.mark.parametrize(
+    "tensors",
+    [
+        [torch.arange(5, dtype=torch.int16), torch.ones(2, 3), torch.zeros(0, 4)],
+        [torch.arange(7, dtype=torch.float64)],  # one 1-D tensor: torch.frombuffer
+        [torch.ones(2, 3)],
+    ],
+    ids=["several", "one-1d", "one-2d"],
+)
+def test_unpack_inline_views_a_private_copy_of_the_chunk(tensors: list[torch.Tensor]) -> None:
     """The inline fast path (table checked when the chunk was decoded) gives the same
     tensors as ``unpack``, writable, and sharing nothing with the message's bytes."""
-    tensors = [torch.arange(5, dtype=torch.int16), torch.ones(2, 3), torch.zeros(0, 4)]
     layout = packing.plan(tensors)
     data = packing.pack_bytes(tensors, layout)
     inline = wire.InlineStreamChunkRef(tensors=layout.metas, data=data)
