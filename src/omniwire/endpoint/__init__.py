@@ -9,7 +9,10 @@ _peers        the peer table: Hello, refusals, liveness, loss, Goodbye
 _handshake    Hello building and checking, refusals, what a peer's Hello offers
 _rings        a same-host peer's control ring: offer, attach, start reading
 _sender       send/stream/end_stream: encode → route → credit → export → announce
+_routebook    the route of each edge and payload shape, remembered; what went that way
+_inline       payloads inside their DataReady: the message, its charge, its receipt
 _exporting    an object's bytes for its backend: lent in place, or packed (in pieces)
+_buffers      transport buffers (``Endpoint.empty``): tensors born in backend memory
 _targets      one target or several (a fan-out), inside the observer's span
 _fanout       one payload to several targets: encoded once, packed once (shared refs)
 _receiver     the take path (read → deliver → ACK) and the one release path

@@ -84,7 +84,7 @@ class FanOut:
                 await sender.peers.wait_ready(name, max(0.0, deadline - time.monotonic()))
                 for name in names
             ]
-            routes = [sender.select(peer, info) for peer in peers]
+            routes = [sender.routes.select(peer, info) for peer in peers]
             sharing = self._shared_backends(routes)
             exports: dict[str, SharedExport] = {}
             forwards: list[SharedExport] = []

@@ -14,7 +14,6 @@ import contextlib
 import itertools
 import logging
 import math
-import sys
 import time
 import weakref
 from typing import TYPE_CHECKING, Any
@@ -39,13 +38,14 @@ from ..errors import (
     PeerUnresponsiveError,
     RequestAbortedError,
 )
-from ..routing import INLINE, PayloadInfo, Route, RouteCache
+from ..routing import INLINE, PayloadInfo, Route
 from ._buffers import DropOnce, TransportBuffer
 from ._core import Core
 from ._exporting import export_bytes, publish_rest
 from ._inline import Kind, carried_inline, fit, inline_message, payload_info, unaccount
 from ._peers import PeerTable
 from ._records import READY, ForwardedExport, OutRecord, Peer, PeerStatus, SharedExport
+from ._routebook import RouteBook
 from ._stats import RouteStats
 
 if TYPE_CHECKING:
@@ -61,14 +61,10 @@ class Sender:
     def __init__(self, core: Core, peers: PeerTable, trace: bool = False) -> None:
         self.core = core
         self.peers = peers
-        self.route_stats: dict[tuple[str, str, str], RouteStats] = {}
+        self.routes = RouteBook(core, trace)
+        #: per (peer, kind, backend): what went that way (the book's, kept in place)
+        self.route_stats = self.routes.stats
         self._ids = itertools.count(1)
-        self._trace = trace
-        self._routes_seen: set[tuple[str, str, str]] = set()
-        #: the keys of route_stats and _routes_seen, by peer name (for :meth:`forget`)
-        self._keys_of: dict[str, set[tuple[str, str, str]]] = {}
-        #: route_of's memo: (id(plan), kind, peer) -> (plan, the peer's RouteCache, route)
-        self._by_plan: dict[tuple[int, str, str], tuple[packing.PackPlan, RouteCache, Route]] = {}
         #: live transport buffers (``Endpoint.empty``), by their tensor's data_ptr, and
         #: the last released ones (at most 256: a send of one is a clear error)
         self.born: weakref.WeakValueDictionary[int, TransportBuffer] = (
@@ -103,7 +99,7 @@ class Sender:
             # The fast path: a small payload to a ready peer with room in its queue waits
             # for nothing, so it needs no guard and no trip around the event loop.
             layout = packing.plan(enc.tensors, enc.paths)
-            route = self.route_of(peer, kind, enc.tensors, layout)
+            route = self.routes.route_of(peer, kind, enc.tensors, layout)
             ready = (peer, layout, route)
             if route.backend == INLINE.name and core.outbox.has_room(peer):
                 stats, msg, charge = self._inline(
@@ -122,7 +118,7 @@ class Sender:
                 layout, route = ready[1], ready[2]
             else:
                 layout = packing.plan(enc.tensors, enc.paths)
-                route = self.route_of(peer, kind, enc.tensors, layout)
+                route = self.routes.route_of(peer, kind, enc.tensors, layout)
             born = self._born(enc.tensors)
             shared = forward = None
             if born is not None:
@@ -207,7 +203,7 @@ class Sender:
         peer = await self.peers.wait_ready(target, core.config.handshake_timeout)
         nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
         info = PayloadInfo("payload", nbytes, frozenset({torch.device(device).type}), 1)
-        route = self.select(peer, info)
+        route = self.routes.select(peer, info)
         backend = core.backends.get(route.backend)
         if (
             isinstance(backend, ByteBackend)
@@ -317,49 +313,7 @@ class Sender:
 
             raise HandshakeError(f"no completed handshake with {target!r}")
         enc = codec.dumps(payload, allow_pickle=self.core.config.allow_pickle)
-        return self.select(peer, payload_info(kind, enc.tensors, packing.plan(enc.tensors)))
-
-    # -- routing -----------------------------------------------------------------------
-
-    def route_of(
-        self, peer: Peer, kind: Kind, tensors: list[torch.Tensor], layout: packing.PackPlan
-    ) -> Route:
-        """:meth:`select` for a payload packed by ``layout``, remembered by the plan for
-        the peer's session (its RouteCache): a stream of chunks of one shape asks once.
-        (Plans are cached by shape, so the same shape is the same plan object.)"""
-        key = (id(layout), kind, peer.name)
-        hit = self._by_plan.get(key)
-        if hit is not None and hit[0] is layout and hit[1] is peer.routes and not self._trace:
-            return hit[2]
-        route = self.select(peer, payload_info(kind, tensors, layout))
-        if len(self._by_plan) >= packing.PLANS_MAX:  # a plan each: they thrash together
-            self._by_plan.clear()
-        self._by_plan[key] = (layout, peer.routes, route)  # holds the plan: its id stays its
-        return route
-
-    def select(self, peer: Peer, info: PayloadInfo) -> Route:
-        """The policy's route for this edge and payload (cached per peer session)."""
-        assert peer.edge is not None
-        route = peer.routes.get(info)
-        if route is None:
-            route = self.core.config.policy.select(peer.edge, info, peer.candidates)
-            peer.routes.put(info, route)
-            key = (peer.name, info.kind, route.backend)
-            level = logging.DEBUG
-            if key not in self._routes_seen:
-                self._routes_seen.add(key)
-                self._keys_of.setdefault(peer.name, set()).add(key)
-                level = logging.INFO
-            if route_log.isEnabledFor(level):
-                route_log.log(
-                    level, "%s→%s %s: %s", self.core.name, peer.name, info.kind, route.explain()
-                )
-        if self._trace:
-            print(
-                f"[omniwire] route {self.core.name}→{peer.name} {info.kind}: {route.explain()}",
-                file=sys.stderr,
-            )
-        return route
+        return self.routes.select(peer, payload_info(kind, enc.tensors, packing.plan(enc.tensors)))
 
     def _account(
         self, peer: Peer, route: Route, request_id: str, kind: Kind
@@ -371,16 +325,7 @@ class Sender:
         if kind == "stream_chunk":
             chunk_id = peer.chunk_ids.get(request_id, 0)
             peer.chunk_ids[request_id] = chunk_id + 1
-        return self._stats(peer.name, kind, route), chunk_id
-
-    def _stats(self, peer: str, kind: str, route: Route) -> RouteStats:
-        key = (peer, kind, route.backend)
-        stats = self.route_stats.get(key)
-        if stats is None:
-            stats = self.route_stats[key] = RouteStats(peer, kind, route.backend, route.reason)
-            self._keys_of.setdefault(peer, set()).add(key)
-        stats.route = route
-        return stats
+        return self.routes.stats_of(peer.name, kind, route), chunk_id
 
     # -- inline ------------------------------------------------------------------------
 
@@ -704,9 +649,7 @@ class Sender:
         """The peer table forgot the gone peer ``name``: so do its route statistics
         (a stage whose peers come and go under new names keeps those of the peers it
         remembers, not of every peer it ever served)."""
-        for key in self._keys_of.pop(name, ()):
-            self.route_stats.pop(key, None)
-            self._routes_seen.discard(key)
+        self.routes.forget(name)
 
     def on_window(self, peer: Peer, msg: wire.WindowMessage) -> None:
         peer.session.check(msg)
