@@ -915,7 +915,7 @@ async def test_peers_that_come_and_go_leave_no_route_statistics_behind(
         await clients_come_and_go(srv, 8, remembered=2)
         remembered = {p.name for p in srv._peers.all()}
         assert {peer for peer, _kind, _backend in srv.route_stats} <= remembered
-        assert {peer for peer, _kind, _backend in srv._sender._routes_seen} <= remembered
+        assert {peer for peer, _kind, _backend in srv._sender.routes._seen} <= remembered
         assert {(f"c{i}", "payload") for i in (6, 7)} <= {k[:2] for k in srv.route_stats}
 
 
