@@ -100,6 +100,11 @@ class Aborts:
         """Close the PUB, whose subscribers hold too many topics, and bind a new one
         at its address."""
         where = old.getsockopt_string(zmq.LAST_ENDPOINT)
+        try:
+            addr = parse_address(where, what="abort address")
+        except AddressError as exc:  # (what libzmq says it bound: not expected)
+            log.error("abort socket %s: cannot be made anew (%s)", where, exc)
+            return
         self.renewals += 1
         _noisy.log(
             logging.WARNING,
@@ -111,8 +116,12 @@ class Aborts:
             MAX_TOPICS,
         )
         self._close_pub()
-        self.open_pub(ipv6=self._ipv6)
-        self._bind_again(parse_address(where, what="abort address"), _BIND_TRIES)
+        try:
+            self.open_pub(ipv6=self._ipv6)
+        except zmq.ZMQError as exc:  # out of sockets or descriptors: none until close
+            log.error("abort socket: cannot make a new one (%s); aborts go only directly", exc)
+            return
+        self._bind_again(addr, _BIND_TRIES)
 
     def _bind_again(self, addr: Address, tries: int) -> None:
         self._rebind = None

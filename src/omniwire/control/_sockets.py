@@ -174,8 +174,10 @@ class Sockets:
             if exc.errno == errno.EADDRINUSE:
                 raise AddressInUseError(f"address {str(addr)!r} is in use: {exc}") from exc
             raise AddressError(f"cannot bind address {str(addr)!r}: {exc}") from exc
-        if addr.file is not None:
-            self._files.append((os.path.abspath(addr.path), file_id(addr.path)))
+        if addr.file is not None:  # (bound again: the new file replaces the old entry)
+            path = os.path.abspath(addr.path)
+            self._files = [f for f in self._files if f[0] != path]
+            self._files.append((path, file_id(addr.path)))
 
     def count(self) -> int:
         """Sockets still open, the ZAP handler's included."""
