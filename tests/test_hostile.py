@@ -736,6 +736,42 @@ async def test_a_subscriber_to_our_aborts_does_not_grow_our_memory(topics: str) 
             proc.communicate()
 
 
+async def test_garbage_sent_to_our_abort_socket_hurts_nobody() -> None:
+    """An XSUB may send our abort socket anything: messages that are no subscription
+    (multipart too), and ones over the 1 KiB a subscription may take (its connection
+    ends). The endpoint goes on, counts no topic, and honest subscribers still hear
+    its broadcasts."""
+    async with Endpoint("victim", address="tcp://127.0.0.1:0") as ep:
+        address = ep._core.control.abort_address
+        ctx = zmq.asyncio.Context()
+        honest, raw = ctx.socket(zmq.SUB), ctx.socket(zmq.XSUB)
+        try:
+            honest.setsockopt(zmq.SUBSCRIBE, b"")
+            honest.connect(address)
+            raw.connect(address)
+            for i in range(2_000):
+                await raw.send(secrets.token_bytes(1 + i % 64).replace(b"\x01", b"\x02", 1))
+                await raw.send_multipart([b"\x07junk", b"\x01part"])
+            await raw.send(b"\x01" + bytes(4096))  # over the limit: the connection ends
+            heard: wire.AbortMessage | None = None
+            for i in range(200):  # bounded: a broadcast every 50 ms until one is heard
+                await ep.abort(f"after{i}")
+                with contextlib.suppress(TimeoutError):
+                    with anyio.fail_after(0.05):
+                        msg = wire.decode(await honest.recv())
+                        assert isinstance(msg, wire.AbortMessage)
+                        heard = msg
+                if heard is not None:
+                    break
+            assert heard is not None, "no broadcast abort was heard after the garbage"
+            assert ep._core.control.abort_renewals == 0
+            assert ep._core.control._aborts._topics <= {b"", b"part"}
+        finally:
+            for sock in (honest, raw):
+                sock.close(0)
+            ctx.term()
+
+
 async def test_our_abort_broadcast_reaches_subscribers_again_after_a_topic_flood() -> None:
     """The abort socket made anew (above) binds the same address: a subscriber that
     keeps to the spec reconnects by itself and hears later broadcasts."""
