@@ -209,7 +209,7 @@ class TensorMeta(_Base, frozen=True, kw_only=True):
                 f"TensorMeta.nbytes is {self.nbytes} but shape {self.shape} of "
                 f"{self.dtype} needs {expected}"
             )
-        if not 0 < len(self.device) <= MAX_NAME_BYTES // 4:
+        if not 0 < len(self.device) <= _NAME_CHARS:
             _text("TensorMeta.device", self.device, MAX_NAME_BYTES)
         if len(self.path) > MAX_TEXT_BYTES // 4:
             _text("TensorMeta.path", self.path, MAX_TEXT_BYTES, empty_ok=True)
@@ -445,9 +445,9 @@ class DataReadyMessage(_Base, frozen=True, kw_only=True, tag="data_ready", tag_f
         ):
             return
         if not (
-            0 < len(self.request_id) <= MAX_REQUEST_ID_BYTES // 4
-            and 0 < len(self.from_stage) <= MAX_NAME_BYTES // 4
-            and 0 < len(self.to_stage) <= MAX_NAME_BYTES // 4
+            0 < len(self.request_id) <= _RID_CHARS
+            and 0 < len(self.from_stage) <= _NAME_CHARS
+            and 0 < len(self.to_stage) <= _NAME_CHARS
         ):
             _text("DataReadyMessage.request_id", self.request_id, MAX_REQUEST_ID_BYTES)
             _name("DataReadyMessage.from_stage", self.from_stage)
@@ -462,7 +462,7 @@ class DataReadyMessage(_Base, frozen=True, kw_only=True, tag="data_ready", tag_f
         has_data = self.data_ref is not None or self.inline is not None
         if not has_data and not self.is_done and self.error is None:
             raise ValueError("DataReadyMessage carries no data, no error and is not is_done")
-        if len(self.traceparent) > MAX_NAME_BYTES // 4:
+        if len(self.traceparent) > _NAME_CHARS:
             _text("DataReadyMessage.traceparent", self.traceparent, MAX_NAME_BYTES, empty_ok=True)
 
 
