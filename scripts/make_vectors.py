@@ -44,6 +44,8 @@ TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 CURVE_SECRET = "omniwire test vector key"
 MOONCAKE_SESSION = "10.0.0.1:15002"
 MOONCAKE_POOL = (0x7F0000000000, 64 << 20)  # address, size
+MOONCAKE_RECEIVER_SESSION = "10.0.0.2:15002"
+MOONCAKE_LANDING = (0x7F4000000000, 16 << 20, 0x2F1E2D3C4B5A6978)  # address, size, token
 NIXL_AGENT = f"ow-thinker-{PID}-0123456789ab"
 NIXL_POOL = (0x7F0000000000, 128 << 20)
 #: A lent object (§9.1): int32[6] at 0 and float32[1024] at 64, read in place from
@@ -422,6 +424,22 @@ def blobs() -> dict[str, msgspec.Struct]:
             offset=0,
             length=PIECES_LENGTH,
             pieces=[mooncake.Piece(at, addr, n) for at, addr, n in PIECES],
+        ),
+        # -- a landing (§9.4): the receiver lends it in its Hello to the sender; the
+        # sender's landed reference names it (its own session, the landing's token)
+        "mooncake_hello_landing": mooncake.LandingHello(
+            session=MOONCAKE_RECEIVER_SESSION,
+            protocol="tcp",
+            pool_addr=0x7F5000000000,
+            pool_size=64 << 20,
+            pieces=True,
+            landing=mooncake.Landing(*MOONCAKE_LANDING),
+        ),
+        "mooncake_ref_landed": mooncake.LandedRef(
+            session=MOONCAKE_SESSION,
+            offset=1 << 20,
+            length=PIECES_LENGTH,
+            landing=MOONCAKE_LANDING[2],
         ),
         "nixl_hello_pieces": nixl.PiecesHello(
             agent=NIXL_AGENT, metadata=nixl_md, pools=[pool], pieces=True

@@ -65,6 +65,11 @@ def endpoint(args: argparse.Namespace) -> Endpoint:
         heartbeat_interval=args.heartbeat or args.peer_timeout / 4,
         handshake_timeout=args.rejoin,
         digest=args.digest,
+        backend_options=(
+            {"mooncake": {"landing_size": args.landing_size}}
+            if args.landing_size is not None
+            else None
+        ),
     )
 
 
@@ -122,7 +127,7 @@ async def send(args: argparse.Namespace) -> int:
                 receipts[i] = receipt
                 say(sent=i, after=time.monotonic() - started)
                 await receipt.wait()
-                say(i=i, rid=rid, ok=True, took=time.monotonic() - started)
+                say(i=i, rid=rid, ok=True, took=time.monotonic() - started, outcome=receipt.outcome)
             except OmniwireError as exc:
                 receipt_ = receipts.get(i)
                 say(
@@ -170,6 +175,9 @@ def main() -> int:
     p.add_argument("--digest", action="store_true", help="Endpoint(digest=True)")
     p.add_argument("--lend", action="store_true", help="send(..., lend=True)")
     p.add_argument("--reuse", action="store_true", help="send: one buffer for every object")
+    p.add_argument(
+        "--landing-size", type=int, default=None, help="mooncake: bytes lent to each peer"
+    )
     p.add_argument(
         "--no-verify", dest="verify", action="store_false", help="recv: do not compare the bytes"
     )

@@ -181,13 +181,19 @@ class Side:
             self.stderr.close()
 
 
-def start_pair(cluster: Cluster, engine: str, *extra: str) -> tuple[Side, Side, Host, Host]:
+def start_pair(
+    cluster: Cluster, engine: str, *extra: str, landing: bool = True
+) -> tuple[Side, Side, Host, Host]:
     """The receiver first, then the sender with the address it bound. (Started both at
     once, on a fixed port, the first mooncake transfer after a heal stalled until
     the ACK timeout in 4 of 26 runs of the partition case, and in none of 10 this
-    way: not understood yet, see the closing note of the namespace-hosts issue.)"""
+    way: not understood yet, see the closing note of the namespace-hosts issue.)
+    ``landing=False``: mooncake lends no landing, so every object is read by the
+    receiver (an object in flight is one announced and not yet ACKed)."""
     sender, receiver = cluster["c"], cluster["b"]
     common = ["--backends", f"local,shm,{engine}", "--peer-timeout", str(PEER_TIMEOUT)]
+    if engine == "mooncake" and not landing:
+        common += ["--landing-size", "0"]
     route = [] if engine == "mooncake" else ["--route", engine]
     recv = Side(receiver, "recv", "--name", "r", "--address", f"tcp://{receiver.ip}:0",
                 *common)  # fmt: skip
@@ -206,13 +212,15 @@ def start_pair(cluster: Cluster, engine: str, *extra: str) -> tuple[Side, Side, 
 def test_a_partition_mid_transfer_fails_in_bounded_time_and_heals(
     cluster: Cluster, engine: str, stream: bool
 ) -> None:
-    """Link down while an object is in flight: its receipt fails as lost/unresponsive
-    within peer_timeout + a bound, nothing is delivered twice, the peers make a new
-    session by themselves once the link is back, and later sends succeed."""
+    """Link down while an object is in flight (announced, read by the receiver: no
+    landing): its receipt fails as lost/unresponsive within peer_timeout + a bound,
+    nothing is delivered twice, the peers make a new session by themselves once the
+    link is back, and later sends succeed."""
     require_backend(engine)
     cluster["c"].set_rate("200mbit")  # 16 MiB takes ~0.7 s on the wire
     extra = ["--size", str(16 << 20), "--count", "4", "--settle", "8"]
-    send, recv, sender, _ = start_pair(cluster, engine, *extra, *(["--stream"] if stream else []))
+    extra += ["--stream"] if stream else []
+    send, recv, sender, _ = start_pair(cluster, engine, *extra, landing=False)
     try:
         send.expect(lambda m: m.get("sent") == 1, 30)
         time.sleep(0.2)
@@ -247,13 +255,54 @@ def test_a_partition_mid_transfer_fails_in_bounded_time_and_heals(
 
 
 @pytest.mark.timeout(120)
+def test_a_partition_mid_landing_fails_the_send_in_bounded_time_and_heals(
+    cluster: Cluster,
+) -> None:
+    """Link down while an object is being written into the receiver's landing
+    (mooncake's push, spec §9.4; the send call is in the write): the send fails as
+    lost/unresponsive within peer_timeout + a bound, never announced, so never
+    delivered; nothing is delivered twice; the peers make a new session by themselves
+    once the link is back, and later sends succeed (landed, or read where the
+    abandoned write's range is kept out of use)."""
+    cluster["c"].set_rate("200mbit")  # 8 MiB takes ~0.35 s on the wire
+    # two 8 MiB objects fit the 16 MiB landing: object 1 lands while 0 is still held
+    extra = ["--size", str(8 << 20), "--count", "4", "--settle", "8"]
+    send, recv, sender, _ = start_pair(cluster, "mooncake", *extra)
+    try:
+        first = send.expect(lambda m: m.get("i") == 0, 30)
+        assert first["ok"] and first["outcome"] == "landed", first
+        sender.link_down()  # object 1's write is on the wire
+        down = time.monotonic()
+        failed = send.expect(lambda m: m.get("ok") is False, PEER_TIMEOUT + 30)
+        failed_after = time.monotonic() - down
+        time.sleep(max(0.0, PEER_TIMEOUT + 1.5 - (time.monotonic() - down)))
+        sender.link_up()
+        lines = send.finish(60)
+    finally:
+        sender.link_up()
+        cluster["c"].set_rate("1gbit")
+    got = recv.finish(30)
+    results = {m["i"]: m for m in lines if "i" in m and "ok" in m}
+    assert failed["i"] == 1, (failed, results)
+    assert failed["error"] in ("PeerUnresponsiveError", "PeerLostError"), failed
+    assert failed["outcome"] == "not sent" and failed_after < PEER_TIMEOUT + 3, failed
+    assert any("rejoined" in m for m in lines), lines
+    assert [i for i, m in sorted(results.items()) if m["ok"]] == [0, 2, 3], results
+    delivered = [m["i"] for m in got if m.get("kind") == "payload"]
+    assert sorted(delivered) == [0, 2, 3], got  # once each; the abandoned one never
+    assert all(m["ok"] for m in got if "ok" in m), f"bytes differ: {got}"
+    held = next(m["held"] for m in got if "end" in m)
+    assert not any(held.values()), held
+
+
+@pytest.mark.timeout(120)
 def test_a_link_down_for_good_fails_everywhere_in_bounded_time(cluster: Cluster) -> None:
     """No heal: the in-flight receipt fails, the sender gives up waiting for the peer
     and closes, the receiver reports the lost request and closes; nothing hangs or
     stays behind on either host."""
     cluster["c"].set_rate("200mbit")
     extra = ["--size", str(16 << 20), "--count", "3", "--rejoin", "3", "--settle", "1"]
-    send, recv, sender, receiver = start_pair(cluster, "mooncake", *extra)
+    send, recv, sender, receiver = start_pair(cluster, "mooncake", *extra, landing=False)
     try:
         send.expect(lambda m: m.get("sent") == 1, 30)
         time.sleep(0.2)
@@ -283,7 +332,7 @@ def test_all_processes_of_one_host_killed_at_once(cluster: Cluster, dead: str) -
     what it had in flight within a bound, closes cleanly, and holds nothing."""
     cluster["c"].set_rate("200mbit")
     extra = ["--size", str(16 << 20), "--count", "3", "--rejoin", "3", "--settle", "1"]
-    send, recv, sender, receiver = start_pair(cluster, "mooncake", *extra)
+    send, recv, sender, receiver = start_pair(cluster, "mooncake", *extra, landing=False)
     try:
         send.expect(lambda m: m.get("sent") == 1, 30)
         time.sleep(0.2)
@@ -342,7 +391,7 @@ def test_a_partition_only_one_side_noticed_fails_in_flight_objects_at_the_heal(
     cluster["c"].set_rate("200mbit")
     extra = ["--size", str(16 << 20), "--count", "3", "--settle", "1", "--heartbeat", "0.5"]
     extra += ["--peer-timeout", "60", "--ack-timeout", "60"]  # the sender never gives up
-    send, recv, sender, _ = start_pair(cluster, "mooncake", *extra)
+    send, recv, sender, _ = start_pair(cluster, "mooncake", *extra, landing=False)
     try:
         send.expect(lambda m: m.get("sent") == 1, 30)
         time.sleep(0.2)
@@ -378,14 +427,14 @@ def test_mooncake_slices_tcp_transfers_in_whole_segments_of_a_hosts_veth(
 
 
 @pytest.mark.timeout(240)
-def test_the_namespace_bench_sets_each_engine_beside_its_bare_engine_and_the_control_bound(
+def test_the_namespace_bench_sets_each_engine_beside_its_bare_engine_and_a_control_round_trip(
     cluster: Cluster, tmp_path: Path
 ) -> None:
     """``omniwire bench --namespaces``: the peers, the bare engine's other end and the
     raw zmq.asyncio peer all run in the second host (its own namespaces, made and
     removed by the bench), so every baseline crosses the same veth as omniwire;
     the control round trip (a raw zmq.asyncio round trip of a DataReady-sized
-    message between the hosts) bounds each lent row's ×raw."""
+    message between the hosts) is measured beside them; the rows' objects land."""
     del cluster  # only for its skip: the bench makes its own two hosts
     before = _namespaces()
     out = tmp_path / "ns.json"
@@ -405,9 +454,10 @@ def test_the_namespace_bench_sets_each_engine_beside_its_bare_engine_and_the_con
     rows = {r["mode"]: r for r in table["rows"]}
     assert set(rows) == {"copy", "lent"}
     for r in rows.values():
-        assert r["raw_gbps"] > 0 and 0 < r["bound"] < 1
-        raw_s = 65536 / (r["raw_gbps"] * 1e9)
-        assert abs(r["bound"] - raw_s / (raw_s + control / 1e6)) < 1e-6
+        # each lands in the peer's landing (spec §9.4): no control round trip bounds it,
+        # and the row says how long the ACK took too
+        assert r["raw_gbps"] > 0 and r["landed"] == 1.0 and r["bound"] is None, r
+        assert 0 < r["acked_gbps"] <= r["oneway_gbps"], r
     assert "round trip of a control message (512 B)" in done.stdout
     assert "×raw  bound" in done.stdout
     assert _namespaces() == before  # the bench removed the hosts it made

@@ -188,7 +188,8 @@ def _check_engine_ref(backend: str, hello_blob: bytes, ref: bytes, length: int) 
     blobs = _blob_module(backend)
     peer = _peer_info("thinker", hello_blob)
     if backend == "mooncake":
-        blobs.spans(ref, blobs.decode_hello(peer, "tcp"), length, peer.name)
+        hello = blobs.decode_hello(peer, "tcp")
+        blobs.spans(blobs.decode_ref(ref, hello, length, peer.name), hello, length, peer.name)
     elif backend == "nixl":
         blobs.resolve(ref, blobs.decode_hello(peer).pools, length, peer.name)
     else:
@@ -210,9 +211,28 @@ def test_engine_reference_vectors_pass_the_receivers_check(path: pathlib.Path) -
     against the Hello vector of its form (a pieces reference against the Hello that
     says ``pieces``) and the length it names."""
     backend = path.stem.split("_")[0]
-    hello = VECTORS / "blobs" / f"{backend}_hello{'_pieces' if 'pieces' in path.stem else ''}.bin"
+    form = "_pieces" if "pieces" in path.stem or "landed" in path.stem else ""
+    hello = VECTORS / "blobs" / f"{backend}_hello{form}.bin"
     plain = msgspec.msgpack.decode(path.read_bytes())
     length = plain["nbytes"] if backend == "nccl" else plain["length"]
+    if "landed" in path.stem:  # the sender's session; the receiver's own landing
+        blobs = _blob_module(backend)
+        sender = blobs.decode_hello(_peer_info("thinker", hello.read_bytes()), "tcp")
+        ref = blobs.decode_ref(path.read_bytes(), sender, length, "thinker")
+        lender = VECTORS / "blobs" / f"{backend}_hello_landing.bin"
+        landing = blobs.decode_hello(_peer_info("talker", lender.read_bytes()), "tcp").landing
+        assert landing is not None
+        assert blobs.landed_range(ref, landing.token, landing.length, "thinker") == (
+            plain["offset"],
+            length,
+        )
+        with pytest.raises(errors.BackendError, match="not the one lent to it"):
+            blobs.landed_range(ref, landing.token + 1, landing.length, "thinker")
+        with pytest.raises(errors.BackendError, match="outside its"):
+            blobs.landed_range(ref, landing.token, plain["offset"] + length - 1, "thinker")
+        with pytest.raises(errors.BackendError, match="did not lend it"):
+            blobs.spans(ref, sender, length, "thinker")
+        return
     _check_engine_ref(backend, hello.read_bytes(), path.read_bytes(), length)
     if "pieces" in path.stem:  # every piece lies inside the object, sorted, disjoint
         pieces = [(p[0], p[-1] if backend == "nccl" else p[2]) for p in plain["pieces"]]
@@ -239,6 +259,8 @@ def test_blob_vector_matches_its_backend_and_the_schema(path: pathlib.Path) -> N
     hello = "_hello" in path.stem
     if path.stem.endswith("_pieces"):
         decoder = module._pieces_hello_decoder if hello else module._pieces_ref_decoder
+    elif path.stem.endswith(("_landing", "_landed")):  # mooncake's landing (§9.4)
+        decoder = module._landing_hello_decoder if hello else module._landed_ref_decoder
     elif path.stem.endswith(("_forwards", "_forward")):  # shm forwarding (§9.2)
         decoder = module._forwards_hello_decoder if hello else module._forward_ref_decoder
     else:

@@ -16,7 +16,7 @@ __all__ = ["Delivery", "DeliveryKind", "Outcome", "SendReceipt"]
 
 DeliveryKind = Literal["payload", "stream_chunk", "stream_end", "error", "aborted"]
 #: What a sender knows of an object's fate (see :class:`SendReceipt`).
-Outcome = Literal["pending", "delivered", "sent", "refused", "not sent", "unknown"]
+Outcome = Literal["pending", "landed", "delivered", "sent", "refused", "not sent", "unknown"]
 
 
 class _Replier(Protocol):
@@ -169,14 +169,18 @@ class Delivery:
 
 class SendReceipt:
     """The fate of one sent object: ``await receipt.wait()`` returns once the
-    receiver acknowledged it, or raises why it did not (``AckTimeoutError``,
-    ``PeerLostError``, ``RequestAbortedError``, or ``BackendError`` carrying the
-    receiver's error).
+    receiver acknowledged it — or, for an object that *landed* (written by the engine
+    into memory the receiver lent for that, before it was announced: mooncake between
+    hosts), once it is in the receiver's memory and announced — or raises why it did
+    not (``AckTimeoutError``, ``PeerLostError``, ``RequestAbortedError``, or
+    ``BackendError`` carrying the receiver's error).
 
     A failure does not always mean the object was not delivered: after an ACK
     timeout, an abort or the loss of the peer the receiver may have taken it all
     the same. :attr:`outcome` says what is known, and :meth:`settled` waits until
-    this side knows all it will: ``"pending"`` (not done), ``"delivered"`` (the
+    this side knows all it will: ``"pending"`` (not done), ``"landed"`` (in the
+    receiver's memory and announced, its ACK not back yet: it will be delivered unless
+    the receiver refuses it or is lost meanwhile), ``"delivered"`` (the
     receiver acknowledged it, also after the receipt failed), ``"sent"`` (data that
     needs no ACK, handed to the control plane), ``"refused"`` (the receiver NACKed
     it: not delivered), ``"not sent"`` (it never left this endpoint), ``"unknown"``
@@ -236,6 +240,8 @@ class SendReceipt:
         took = f"{1000 * (self.finished - self.started):.2f} ms"
         if self.error is None and self.object_id is None:
             return f"{head} handed off (no ACK needed)>"
+        if self.error is None and self.outcome == "landed":
+            return f"{head} landed in {took}, not acknowledged yet>"
         if self.error is None:
             return f"{head} acknowledged in {took}>"
         return f"{head} failed after {took}: {type(self.error).__name__}: {self.error}>"
@@ -275,20 +281,25 @@ class SendReceipt:
         """Seconds from the send call to the ACK (None until done)."""
         return None if self.finished is None else self.finished - self.started
 
-    def resolve(self, error: BaseException | None = None) -> None:
+    def resolve(self, error: BaseException | None = None, *, landed: bool = False) -> None:
         if self._done:
             return
         self._done = True
         self.error = error
         self.finished = time.monotonic()
         if not self._final:
-            self.outcome = "delivered" if error is None else "unknown"
+            self.outcome = "landed" if landed else "delivered" if error is None else "unknown"
         if self._event is not None:
             self._event.set()
         callbacks, self._callbacks = self._callbacks, None
         if callbacks is not None:
             for fn in callbacks:
                 fn(self)
+
+    def land(self) -> None:
+        """The object landed in the receiver's memory and was announced: :meth:`wait`
+        returns; the outcome is ``"landed"`` until the ACK or NACK settles it."""
+        self.resolve(landed=True)
 
     def settle(self, outcome: Outcome) -> None:
         """The object is over on this side (its buffer released): ``outcome`` is final.

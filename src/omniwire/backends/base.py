@@ -317,6 +317,12 @@ class BackendBase(abc.ABC):
         """Connection info for this endpoint's Hello (``BackendInfo.info``)."""
         return b""
 
+    def hello_to(self, peer: str) -> bytes:
+        """The connection info for a Hello addressed to the endpoint ``peer``: what
+        :meth:`hello` says, plus what this backend lends that peer alone (a landing
+        for its objects, say). The default: :meth:`hello`."""
+        return self.hello()
+
     def accepts(self, peer: PeerInfo) -> str | None:
         """Why a peer's Hello must be refused (``bad_hello``) because of what it says
         about this backend — e.g. it claims memory it cannot own — or None. Cheap and
@@ -389,6 +395,21 @@ class ByteBackend(BackendBase):
 
         Raises:
             BackendError, BackendClosedError: as :meth:`export`.
+        """
+        return None
+
+    async def land(self, peer: PeerInfo, export: Export) -> Export | None:
+        """Move a complete export's bytes into memory ``peer`` lent this endpoint for
+        that (a *landing*), before its announcement; return the export that replaces
+        ``export`` (its reference names the landed bytes; ``export`` is released), or
+        None: announce ``export`` as it is (the default; also when the landing is full
+        or the write failed).
+
+        An object that landed is in the receiver's memory when this returns: its
+        receipt completes then, without waiting for the ACK (which frees the landing).
+
+        Raises:
+            BackendClosedError: the backend is closed.
         """
         return None
 

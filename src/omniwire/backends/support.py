@@ -176,13 +176,13 @@ def lent_pieces(
 
 
 class HostMemory:
-    """Anonymous, pre-faulted host memory (``mmap``) and a uint8 tensor over all of it."""
+    """Anonymous host memory (``mmap``), pre-faulted unless ``populate`` is False, and a
+    uint8 tensor over all of it."""
 
-    def __init__(self, size: int) -> None:
+    def __init__(self, size: int, *, populate: bool = True) -> None:
+        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | (_MAP_POPULATE if populate else 0)
         try:
-            self._mm: mmap.mmap | None = mmap.mmap(
-                -1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_POPULATE
-            )
+            self._mm: mmap.mmap | None = mmap.mmap(-1, size, flags=flags)
         except OSError as exc:
             raise BackendError(f"cannot map {mib(size)} of host memory: {exc}") from exc
         self.size = size
@@ -581,8 +581,11 @@ class LentExport(Export):
         cache: RegistrationCache[H],
         keys: Sequence[Hashable],
         tensors: Sequence[torch.Tensor],
+        spans: Sequence[tuple[int, int, int]] = (),
     ) -> None:
         super().__init__(backend, nbytes, None)
+        #: ``(at, address, length)`` of each piece, for a backend that writes them itself
+        self.spans = list(spans)
         self._ref = ref
         self._cache: RegistrationCache[H] | None = cache
         self._keys = list(keys)

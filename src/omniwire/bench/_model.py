@@ -133,13 +133,19 @@ class Row:
     #: one-way GB/s over ``raw_gbps`` (engines only)
     vs_raw: float | None = None
     #: the most ``vs_raw`` can be with one control round trip per transfer: the bare
-    #: transfer's seconds over those plus ``Table.control_rtt_us``
+    #: transfer's seconds over those plus ``Table.control_rtt_us`` (None for a row whose
+    #: transfers landed: no round trip in them)
     bound: float | None = None
     #: raw zmq.asyncio round trip of ``size`` bytes (same run), and rtt_p50 over it
     zmq_rtt_us: float | None = None
     vs_zmq: float | None = None
     #: one-way GB/s over memcpy GB/s
     vs_memcpy: float | None = None
+    #: the share of the one-way transfers that landed (written into the peer's memory
+    #: before their announcement: their receipts complete without the ACK)
+    landed: float | None = None
+    #: one-way GB/s counted up to the ACK (the receipt's settled outcome)
+    acked_gbps: float | None = None
 
     def __post_init__(self) -> None:
         self.vs_memcpy = ratio(self.oneway_gbps, self.memcpy_gbps)

@@ -211,6 +211,12 @@ def _table_targets(table: Table, shm_rows: bool) -> Iterator[str]:
                     met = f" (≥ {goal}×: {_met(r.vs_raw >= goal)})"
                     if r.bound is not None:
                         met += f" (bound {fmt_ratio(r.bound)}: {_of_bound(r.vs_raw, r.bound)})"
+                if r.landed:
+                    acked = r.acked_gbps or 0.0
+                    met += (
+                        f"; {100 * r.landed:.0f} % landed (complete without the ACK; up to the "
+                        f"ACK {fmt_rate(acked * 1e9)}, {fmt_ratio(acked / (r.raw_gbps or raw))})"
+                    )
                 yield (
                     f"    {name} {mode} {fmt_size(s)}: {fmt_rate(r.oneway_gbps * 1e9)} one-way = "
                     f"{fmt_ratio(r.vs_raw)} the raw engine "

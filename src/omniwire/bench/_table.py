@@ -6,18 +6,22 @@ every edge routed to that backend; this process sends it payloads of one tensor
 of each size and measures:
 
 - **RTT** p50/p99: the payload goes to the peer and is echoed back;
-- **one-way**: a single transfer, from ``send`` to the peer's ACK (the peer has
-  copied the data, or in zero-copy mode mapped it) — latency-bound throughput;
+- **one-way**: a single transfer, from ``send`` until its receipt completes (the
+  peer's ACK: it has copied the data, or in zero-copy mode mapped it; for an object
+  that *landed* — written by the engine into memory the peer lent, then announced —
+  the end of that write) — latency-bound throughput; also up to the ACK, and the
+  share of transfers that landed;
 - **streamed**: back-to-back transfers with credits in flight — throughput and msgs/s.
 
 Baselines from the same run: memcpy per size, a raw ``zmq.asyncio`` round trip
 per size (up to ``ZMQ_MAX``; between the two hosts with ``--namespaces``), and for
-each cross-host engine the bare engine (:mod:`omniwire.rawbench`), its transfers
-interleaved one by one with the row's one-way transfers (``vs_raw``). With the bare
-engines, also the bound of ``vs_raw`` that one control round trip sets: a one-way
-transfer is announced to the peer and acknowledged back, so it takes at least the
-bare transfer plus a raw zmq round trip of ``CONTROL_BYTES``; ``bound = raw / (raw
-+ round trip)``. With shm, the *obstructed* case too: a large
+each cross-host engine the bare engine (:mod:`omniwire.rawbench`; mooncake: the
+faster of its read and its write), its transfers interleaved one by one with the
+row's one-way transfers (``vs_raw``). With the bare engines, also the bound of
+``vs_raw`` that one control round trip sets on a transfer the peer reads: it is
+announced to the peer and acknowledged back, so it takes at least the bare transfer
+plus a raw zmq round trip of ``CONTROL_BYTES``; ``bound = raw / (raw + round
+trip)`` (none for a row whose transfers landed). With shm, the *obstructed* case too: a large
 object sent while a zero-copy consumer holds a 1 KiB one. A row (backend and
 mode) that fails is reported and the table goes on.
 """
@@ -29,7 +33,7 @@ import secrets
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import anyio
 import numpy as np
@@ -106,13 +110,21 @@ async def _stream(ep: Endpoint, peer: str, obj: Any, n: int, tag: str, lend: boo
         await r.wait()
 
 
+class OneWay(NamedTuple):
+    seconds: float  # until the receipt completed
+    acked: float  # until the ACK
+    landed: float  # the share of transfers that landed
+
+
 async def _oneway(
     ep: Endpoint, peer: str, obj: Any, n: int, tag: str, lend: bool, raw: Raw | None = None
-) -> float:
-    """Median seconds from ``send`` to the peer's ACK, one object at a time; with
-    ``raw = (session, size, times)``, each preceded by one bare-engine transfer
-    (its seconds appended to ``times``)."""
-    times = []
+) -> OneWay:
+    """Median seconds from ``send`` until the receipt completes, and until the ACK,
+    one object at a time; with ``raw = (session, size, times)``, each preceded by one
+    bare-engine transfer (its seconds appended to ``times``)."""
+    times: list[float] = []
+    acked: list[float] = []
+    landed = 0
     for i in range(n):
         if raw is not None:
             session, size, raw_times = raw
@@ -121,12 +133,15 @@ async def _oneway(
         r = await ep.send(peer, obj, request_id=f"{tag}{i}", lend=lend)
         await r.wait()
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        landed += r.outcome == "landed"
+        await r.settled()
+        acked.append(time.perf_counter() - start)
+    return OneWay(statistics.median(times), statistics.median(acked), landed / n)
 
 
 async def _measure(
     ep: Endpoint, peer: str, size: int, iters: int, lend: bool, raw: Raw | None
-) -> tuple[float, float, float, float, float]:
+) -> tuple[float, float, float, float, float, OneWay]:
     obj = payload(size)
     n_rtt = _iters(size, iters)
     # warm up: fault in arenas, pools and the receiver's buffers for this size
@@ -142,7 +157,7 @@ async def _measure(
         rtts.append(time.perf_counter() - start)
         d.release()
         await r.wait()
-    oneway = await _oneway(ep, peer, obj, max(5, n_rtt), "one", lend, raw)
+    one = await _oneway(ep, peer, obj, max(5, n_rtt), "one", lend, raw)
     n_stream = max(4, n_rtt)
     # warm the receiver's buffer pool for as many objects as may be in flight
     await _stream(ep, peer, obj, n_stream, "warm-stream", lend)
@@ -155,9 +170,10 @@ async def _measure(
     return (
         p50 * 1e6,
         p99 * 1e6,
-        size / oneway / 1e9,
+        size / one.seconds / 1e9,
         n_stream * size / elapsed / 1e9,
         n_stream / elapsed,
+        one,
     )
 
 
@@ -207,17 +223,18 @@ async def _bench_backend(
                 if session is not None:
                     await anyio.to_thread.run_sync(session.once, size)  # warm-up
                 raw = (session, size, raw_times) if session is not None else None
-                p50, p99, oneway, streamed, msgs = await _measure(
+                p50, p99, oneway, streamed, msgs, one = await _measure(
                     ep, peer_name, size, iters, lend, raw
                 )
                 row = Row(
                     backend, mode, size, p50, p99, oneway, streamed, msgs, table.memcpy_gbps[size]
                 )
+                row.landed, row.acked_gbps = one.landed, size / one.acked / 1e9
                 if raw_times:
                     raw_s = statistics.median(raw_times)
                     row.raw_gbps = size / raw_s / 1e9
                     row.vs_raw = row.oneway_gbps / row.raw_gbps
-                    if table.control_rtt_us is not None:
+                    if table.control_rtt_us is not None and one.landed < 0.5:
                         row.bound = raw_s / (raw_s + table.control_rtt_us / 1e6)
                 zmq = table.zmq_rtt_us.get(size)
                 if zmq:
@@ -264,7 +281,7 @@ async def _bench_obstructed(
                 drop = await ep.send(peer_name, {}, request_id="drop", metadata={"drop_held": True})
                 await drop.wait()
                 await small.wait()
-                table.obstructed_s[size] = (alone, behind)
+                table.obstructed_s[size] = (alone.seconds, behind.seconds)
     finally:
         code = await anyio.to_thread.run_sync(peer.stop)
         if code != 0:

@@ -53,7 +53,10 @@ def hello_of(
         address=core.control.address,
         abort_address=core.control.abort_address,
         devices=core.devices,
-        backends=tuple(wire.BackendInfo(name=n, info=b.hello()) for n, b in core.backends.items()),
+        backends=tuple(
+            wire.BackendInfo(name=n, info=b.hello() if peer is None else b.hello_to(peer.name))
+            for n, b in core.backends.items()
+        ),
         is_reply=reply,
         to_endpoint=peer.name if peer is not None else "",
         ring=peer.ring_reader.name if peer is not None and peer.ring_reader is not None else "",

@@ -460,7 +460,7 @@ class Sender:
             stats=stats,
         )
         record.receipt.object_id = record.object_id
-        posted = False
+        posted = landed = False
         try:
             await self._credit(peer, record)  # AckTimeoutError, cancellation: not sent
             if isinstance(backend, ObjectBackend):
@@ -473,6 +473,11 @@ class Sender:
                 )
                 if record.export.buffer is not None:
                     core.counters["bytes_packed"] += nbytes  # packed by now, or piece by piece
+                if points[0] == nbytes and record.export.layout == "packed":
+                    # written into the peer's landing: its receipt completes when announced
+                    moved = await backend.land(info, record.export)
+                    if moved is not None:
+                        record.export, landed = moved, True
             else:  # a fan-out packed it once: this target reads the same buffer
                 record.export = shared.share()
                 points = [nbytes]
@@ -533,6 +538,10 @@ class Sender:
             raise
         stats.count += 1
         stats.nbytes += nbytes
+        if landed:
+            record.receipt.land()
+            if record.receipt.latency is not None:
+                stats.latencies.append(record.receipt.latency)
         if len(points) > 1:
             await self._publish_rest(peer, record, enc.tensors, layout, points)
         return record.receipt

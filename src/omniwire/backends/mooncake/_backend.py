@@ -4,12 +4,14 @@ tensors), imports read with the engine. See the package docstring."""
 from __future__ import annotations
 
 import logging
+import secrets
 from typing import ClassVar, Literal
 
 import anyio
 import torch
 
 from ... import hops
+from ...alloc import BuddyAllocator
 from ...errors import BackendClosedError, BackendError
 from ..base import (
     Availability,
@@ -65,6 +67,52 @@ class _Export(Export):
 
     def _release(self) -> None:
         self.lease.release()
+
+
+class _Landing:
+    """Memory of ours lent to one peer (by name) for its landed objects, registered
+    once, when the first Hello addressed to it is written, and kept until
+    :meth:`MooncakeBackend.aclose` (a peer that comes back after a partition keeps
+    writing into it; its ranges are the peer's to manage)."""
+
+    def __init__(self, memory: Registered) -> None:
+        self.memory = memory
+        self.token = secrets.randbits(63) + 1  # names this landing in references (not 0)
+        self.info = blobs.Landing(memory.addr, memory.size, self.token)
+
+
+class _Lands:
+    """A peer's landing lent to us: which of its ranges our objects in flight hold.
+
+    Kept per peer name across sessions with the same landing: a range whose write was
+    abandoned (timeout, peer lost mid-write: it may still land) is never handed out
+    again, also after a reconnect."""
+
+    def __init__(self, landing: blobs.Landing, session: str, key: tuple[str, int]) -> None:
+        self.addr = landing.addr
+        self.token = landing.token
+        self.session = session
+        self.key = key
+        self.ranges = BuddyAllocator(landing.length)
+
+
+class _LandedExport(Export):
+    """An object that landed in the peer's memory: holds its range until the ACK."""
+
+    def __init__(
+        self, backend: MooncakeBackend, lands: _Lands, offset: int, nbytes: int, ref: bytes
+    ) -> None:
+        super().__init__(backend, nbytes, None)
+        self.lands = lands
+        self.offset = offset
+        self._ref = ref
+
+    @property
+    def ref(self) -> bytes:
+        return self._ref
+
+    def _release(self) -> None:
+        self.lands.ranges.free(self.offset)
 
 
 class _Import(Import):
@@ -295,6 +343,10 @@ class MooncakeBackend(ByteBackend):
             # tcp registers 1–64 MiB in 4–76 µs (no pinning): cheaper than a thread hop
             inline = (64 << 20) if self.protocol == "tcp" else 0
             self.register_inline = int(opts.get("register_inline", inline))
+            # tcp registers without pinning: a landing's pages are touched as objects land
+            landing = (16 << 20) if self.protocol == "tcp" else 0
+            self.landing_size = int(opts.get("landing_size", landing))
+            self.landing_peers = int(opts.get("landing_peers", 64))
         except (TypeError, ValueError) as exc:
             raise BackendError(f"mooncake: bad options {dict(opts)!r}: {exc}") from None
         if (
@@ -304,10 +356,13 @@ class MooncakeBackend(ByteBackend):
             or self.timeout <= 0
             or self.recv_pool_idle < 0
             or self.register_inline < 0
+            or self.landing_size < 0
+            or self.landing_peers < 0
         ):
             raise BackendError(
                 f"mooncake: bad options {dict(opts)!r} (protocol and host must be non-empty, "
-                "pool_size >= 0, recv_pool_idle >= 0, register_inline >= 0, timeout > 0)"
+                "pool_size >= 0, recv_pool_idle >= 0, register_inline >= 0, landing_size >= 0, "
+                "landing_peers >= 0, timeout > 0)"
             )
         self._given_engine = engine if engine is not None else opts.get("engine")
         self._engine: Engine | None = None
@@ -322,7 +377,11 @@ class MooncakeBackend(ByteBackend):
         self._registrations: RegistrationCache[int] | None = None
         #: Copy-mode receive buffers, registered once per block (delivery_buffer).
         self._recv_pool: RegisteredRecvPool[int] | None = None
-        self._peers: dict[tuple[str, int], blobs.PiecesHello] = {}
+        self._peers: dict[tuple[str, int], blobs.LandingHello] = {}
+        #: Landings we lent, by the name of the peer they are lent to (receiver side).
+        self._landings: dict[str, _Landing] = {}
+        #: Landings peers lent us, by their names (sender side).
+        self._lands: dict[str, _Lands] = {}
         self._busy = 0
         #: Callers' memory that abandoned reads (timeout, peer lost) may still write:
         #: (the tensor, kept so it is not reused; its address if registered for that
@@ -331,7 +390,16 @@ class MooncakeBackend(ByteBackend):
         self._idle = anyio.Event()
         self._idle.set()
         self._closed = False
-        self.counters = {"reads": 0, "bytes_read": 0, "lent": 0, "recv_pool_refused": 0}
+        self.counters = {
+            "reads": 0,
+            "bytes_read": 0,
+            "lent": 0,
+            "recv_pool_refused": 0,
+            "landed": 0,  # objects we wrote into a peer's landing
+            "landed_in": 0,  # objects peers wrote into ours
+            "landing_full": 0,  # objects announced for a read: no free range
+            "landing_failed": 0,  # writes that failed (announced for a read instead)
+        }
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -409,17 +477,62 @@ class MooncakeBackend(ByteBackend):
     def hello(self) -> bytes:
         return self._hello
 
+    def hello_to(self, peer: str) -> bytes:
+        """:meth:`hello` with the landing lent to ``peer`` (made on its first Hello;
+        none past ``landing_peers`` peers, or with ``landing_size`` 0)."""
+        landing = self._landing_for(peer)
+        if landing is None:
+            return self._hello
+        engine, pool = self.engine, self.pool
+        return blobs.encode(
+            blobs.LandingHello(
+                engine.session,
+                self.protocol,
+                self._pool_addr,
+                pool.capacity,
+                pieces=True,
+                landing=landing.info,
+            )
+        )
+
+    def _landing_for(self, peer: str) -> _Landing | None:
+        landing = self._landings.get(peer)
+        if landing is not None or self._engine is None or self._closed:
+            return landing
+        if not self.landing_size or len(self._landings) >= self.landing_peers:
+            return None
+        try:  # on the loop: tcp registers unpinned memory in microseconds
+            memory = Registered(self._engine, self.landing_size, populate=False)
+        except BackendError as exc:
+            log.warning("mooncake: no landing for %r: %s", peer, exc)
+            return None
+        landing = self._landings[peer] = _Landing(memory)
+        return landing
+
     async def connect(self, peer: PeerInfo) -> None:
-        self._peers[peer.key] = blobs.decode_hello(peer, self.protocol)
+        hello = self._peers[peer.key] = blobs.decode_hello(peer, self.protocol)
+        lands = self._lands.get(peer.name)
+        if hello.landing is None:
+            if lands is not None and not lands.ranges.allocations:
+                del self._lands[peer.name]
+            return
+        if lands is None or (lands.token, lands.session) != (hello.landing.token, hello.session):
+            self._lands[peer.name] = _Lands(hello.landing, hello.session, peer.key)
+        else:
+            lands.key = peer.key
 
     async def disconnect(self, peer: PeerInfo) -> None:
         """Forget the peer: its references no longer import, reads from it fail.
 
         Handles still alive for it are released by their owners (the endpoint always
         does): releasing them here could hand a slot to another object while a pack
-        still writes into it or a zero-copy view still reads it.
+        still writes into it or a zero-copy view still reads it. What it lent us is
+        kept while a range of it is held (see :class:`_Lands`).
         """
         self._peers.pop(peer.key, None)
+        lands = self._lands.get(peer.name)
+        if lands is not None and lands.key == peer.key and not lands.ranges.allocations:
+            del self._lands[peer.name]
 
     async def aclose(self) -> None:
         if self._closed:
@@ -440,6 +553,9 @@ class MooncakeBackend(ByteBackend):
         if recv is not None:
             cached += recv.close_registered()
         region, self._region = self._region, None
+        landings = [landing.memory for landing in self._landings.values()]
+        self._landings.clear()
+        self._lands.clear()
 
         def teardown() -> None:
             self._completions.stop()
@@ -455,6 +571,8 @@ class MooncakeBackend(ByteBackend):
             # reading this memory through it, so it is emptied and kept, not unmapped.
             if region is not None:
                 region.release()
+            for memory in landings:  # a late write lands in a mapping kept a while
+                memory.release()
             if recv is not None:
                 recv.clear()
             retired.clear()  # unregistered: the lent tensors' memory may go now
@@ -471,6 +589,7 @@ class MooncakeBackend(ByteBackend):
             "registrations": len(regs) if regs is not None else 0,
             "recv_pool_registrations": self._recv_pool.registrations if self._recv_pool else 0,
             "recv_pool_bytes": self._recv_pool.registered_bytes if self._recv_pool else 0,
+            "landings_lent": len(self._landings),
             **self.counters,
         }
 
@@ -533,7 +652,95 @@ class MooncakeBackend(ByteBackend):
             self.registrations,
             [key for key, _ in acquired],
             [p.tensor for p in pieces],
+            [(p.at, p.addr, p.nbytes) for p in pieces],
         )
+
+    async def land(self, peer: PeerInfo, export: Export) -> Export | None:
+        """Write the export's bytes into the landing ``peer`` lent us, with one batch
+        write from where they are (a pool slot, a dedicated buffer, the lent tensors);
+        None when it lent none, none of its ranges is free, or the write failed."""
+        engine = self._check_open()
+        lands = self._lands.get(peer.name)
+        nbytes = export.nbytes
+        if lands is None or lands.key != peer.key or not nbytes or export.released:
+            return None
+        if not hasattr(engine, "submit_write"):
+            return None  # an engine of the caller's that only reads
+        local = self._local_spans(export)
+        if local is None:
+            return None
+        offset = lands.ranges.allocate(nbytes)
+        if offset is None:
+            self.counters["landing_full"] += 1
+            return None
+        base = lands.addr + offset
+        writes = [(addr, base + at, length) for at, addr, length in local]
+        try:
+            await self._write(engine, peer, lands.session, writes, nbytes)
+        except (TransferTimeoutError, TransferAbandonedError) as exc:
+            # it may still land: the range is never handed out again (see _Lands)
+            self.counters["landing_failed"] += 1
+            log.warning("mooncake: %s (announced for a read instead)", exc)
+            return None
+        except BackendError as exc:
+            lands.ranges.free(offset)
+            self.counters["landing_failed"] += 1
+            log.debug("mooncake: %s (announced for a read instead)", exc)
+            return None
+        except BaseException:
+            lands.ranges.free(offset)  # written (or never started): nobody names it
+            raise
+        ref = blobs.LandedRef(engine.session, offset, nbytes, landing=lands.token)
+        landed = _LandedExport(self, lands, offset, nbytes, blobs.encode(ref))
+        export.release()  # in the peer's memory now: ours is free
+        self.counters["landed"] += 1
+        return landed
+
+    def _local_spans(self, export: Export) -> list[tuple[int, int, int]] | None:
+        """Where an export's bytes are in our registered memory: ``(at, address,
+        length)`` per span; None for an export of another kind."""
+        if isinstance(export, _Export):
+            lease = export.lease
+            addr = lease.buffer.addr if lease.buffer is not None else self._pool_addr + lease.offset
+            return [(0, addr, export.nbytes)]
+        if isinstance(export, LentExport) and export.backend is self and export.spans:
+            return export.spans
+        return None
+
+    async def _write(
+        self,
+        engine: Engine,
+        peer: PeerInfo,
+        session: str,
+        writes: list[tuple[int, int, int]],
+        nbytes: int,
+    ) -> None:
+        """Write each ``(local, remote, length)`` to ``session`` and wait (as a read:
+        submitted in a worker thread, watched by the completion thread; shielded)."""
+        timeout = self.timeout + nbytes / 100e6
+
+        def lost() -> bool:
+            return peer.key not in self._peers
+
+        def start() -> Reads:
+            hops.mark("engine: submit write (worker thread)")
+            return submit(engine, session, writes, timeout, write=True)
+
+        self._enter()
+        try:
+            with anyio.CancelScope(shield=True):
+                batch = await self._completions.start_and_wait(
+                    self._threads,
+                    start,
+                    timeout=timeout,
+                    what=f"mooncake: write of {nbytes} bytes to session {session}",
+                    cancelled=lost,
+                    nbytes=nbytes,
+                )
+        finally:
+            self._leave()
+        hops.mark("engine: back on the loop")
+        batch.check()
 
     # -- receiver ----------------------------------------------------------------------
 
@@ -551,5 +758,14 @@ class MooncakeBackend(ByteBackend):
         hello = self._peers.get(peer.key)
         if hello is None:
             raise BackendError(f"{peer.name!r} did not announce mooncake in its Hello")
-        spans = blobs.spans(ref, hello, nbytes, peer.name)
+        decoded = blobs.decode_ref(ref, hello, nbytes, peer.name)
+        if decoded.landing:
+            landing = self._landings.get(peer.name)
+            if landing is None:
+                raise BackendError(f"{peer.name!r} named a landing this endpoint never lent it")
+            offset, _ = blobs.landed_range(decoded, landing.token, landing.memory.size, peer.name)
+            self.counters["landed_in"] += 1
+            view = landing.memory.tensor[offset : offset + nbytes]
+            return Import(self, peer, nbytes, buffer=view)
+        spans = blobs.spans(decoded, hello, nbytes, peer.name)
         return _Import(self, peer, nbytes, hello.session, spans)

@@ -35,6 +35,7 @@ __all__ = [
     "Engine",
     "Reads",
     "TransferEngine",
+    "WritingEngine",
     "import_error",
     "read",
     "shared_engine",
@@ -64,6 +65,15 @@ class Engine(Protocol):
     def status(self, batch: int) -> int:
         """1: done (the batch is freed), 0: in progress, -2: timed out in the engine,
         other negative: failed."""
+
+
+class WritingEngine(Engine, Protocol):
+    """An engine that also writes into a peer's memory (what landings need, see the
+    package docstring); an :class:`Engine` without ``submit_write`` only reads."""
+
+    def submit_write(self, session: str, local: int, remote: int, length: int) -> int:
+        """Start writing ``length`` bytes at ``local`` to ``remote`` of ``session``;
+        returns a batch id for :meth:`status`."""
 
 
 @functools.cache
@@ -177,16 +187,21 @@ class TransferEngine:
 
     def submit_read(self, session: str, local: int, remote: int, length: int) -> int:
         batch = int(self._te.batch_transfer_async_read(session, [local], [remote], [length]))
-        if batch == 0 or batch >= 2**63:  # 0: submit failed; (uint64)-1: no such segment
-            code = batch if batch < 2**63 else batch - 2**64
-            raise BackendError(
-                f"mooncake: cannot submit a read of {length} bytes at 0x{remote:x} from "
-                f"session {session} (code {code})"
-            )
-        return batch
+        return _submitted(batch, f"read of {length} bytes at 0x{remote:x} from", session)
+
+    def submit_write(self, session: str, local: int, remote: int, length: int) -> int:
+        batch = int(self._te.batch_transfer_async_write(session, [local], [remote], [length]))
+        return _submitted(batch, f"write of {length} bytes to 0x{remote:x} of", session)
 
     def status(self, batch: int) -> int:
         return int(self._te.transfer_check_status(batch))
+
+
+def _submitted(batch: int, what: str, session: str) -> int:
+    if batch == 0 or batch >= 2**63:  # 0: submit failed; (uint64)-1: no such segment
+        code = batch if batch < 2**63 else batch - 2**64
+        raise BackendError(f"mooncake: cannot submit a {what} session {session} (code {code})")
+    return batch
 
 
 def _check(rc: int, what: str) -> None:
@@ -195,24 +210,38 @@ def _check(rc: int, what: str) -> None:
 
 
 class Reads:
-    """Reads of one session: :meth:`submit` starts them (each call only queues work
-    for the engine's threads), :meth:`done` checks them (from any one thread at a
-    time), :meth:`check` raises what failed. One batch per read: the engine's status
-    call checks one task."""
+    """Reads (or, with ``write``, writes) of one session: :meth:`submit` starts them
+    (each call only queues work for the engine's threads), :meth:`done` checks them
+    (from any one thread at a time), :meth:`check` raises what failed. One batch per
+    transfer: the engine's status call checks one task."""
 
-    def __init__(self, engine: Engine, session: str, reads: Sequence[tuple[int, int, int]]):
+    def __init__(
+        self,
+        engine: Engine,
+        session: str,
+        reads: Sequence[tuple[int, int, int]],
+        *,
+        write: bool = False,
+    ) -> None:
         self.engine = engine
         self.session = session
         self.reads = reads
+        self.write = write
         self.pending: list[tuple[int, int, int]] = []
         self.failures: list[str] = []
-        self.what = f"mooncake: read of {sum(r[2] for r in reads)} bytes from session {session}"
+        op = "write" if write else "read"
+        self.op = op
+        where = "to" if write else "from"
+        self.what = f"mooncake: {op} of {sum(r[2] for r in reads)} bytes {where} session {session}"
 
     def submit(self) -> None:
         """Raises BackendError when the engine refuses one (those before it were
         submitted: wait for them before the memory is reused)."""
+        start = self.engine.submit_read
+        if self.write:
+            start = self.engine.submit_write  # type: ignore[attr-defined]
         for local, remote, length in self.reads:
-            batch = self.engine.submit_read(self.session, local, remote, length)
+            batch = start(self.session, local, remote, length)
             self.pending.append((batch, remote, length))
 
     def done(self) -> bool:
@@ -224,7 +253,9 @@ class Reads:
             self.pending.remove(item)
             if rc != 1:
                 how = "timed out in the engine" if rc == -2 else "failed"
-                self.failures.append(f"read of {length} bytes at 0x{remote:x} {how} (code {rc})")
+                self.failures.append(
+                    f"{self.op} of {length} bytes at 0x{remote:x} {how} (code {rc})"
+                )
         return not self.pending
 
     def check(self) -> None:
@@ -234,10 +265,16 @@ class Reads:
 
 
 def submit(
-    engine: Engine, session: str, reads: Sequence[tuple[int, int, int]], timeout: float
+    engine: Engine,
+    session: str,
+    reads: Sequence[tuple[int, int, int]],
+    timeout: float,
+    *,
+    write: bool = False,
 ) -> Reads:
-    """Start each ``(local, remote, length)`` read of ``session`` (blocking: the TCP
-    transport may connect to the peer first); check them with :meth:`Reads.done`.
+    """Start each ``(local, remote, length)`` read of ``session`` (or write, with
+    ``write``; blocking: the TCP transport may connect to the peer first); check them
+    with :meth:`Reads.done`.
 
     Raises:
         BackendError: the engine refused one; those submitted before it were waited
@@ -245,7 +282,7 @@ def submit(
         TransferTimeoutError: it refused one, and those before it did not finish
             within ``timeout`` (they may still land).
     """
-    batch = Reads(engine, session, reads)
+    batch = Reads(engine, session, reads, write=write)
     try:
         batch.submit()
     except BackendError:
@@ -268,15 +305,16 @@ def read(
     cancelled: Callable[[], bool] | None = None,
     *,
     spin: bool = False,
+    write: bool = False,
 ) -> None:
-    """Read each ``(local, remote, length)`` of ``session`` and wait for all of them
-    (blocking).
+    """Read (or write, with ``write``) each ``(local, remote, length)`` of ``session``
+    and wait for all of them (blocking).
 
     Raises:
         TransferTimeoutError: not all done within ``timeout`` (they may still land).
         BackendError: the engine refused or failed a read; the others were waited for.
     """
-    batch = submit(engine, session, reads, timeout)
+    batch = submit(engine, session, reads, timeout, write=write)
     poll_until(batch.done, timeout=timeout, what=batch.what, cancelled=cancelled, spin=spin)
     batch.check()
 

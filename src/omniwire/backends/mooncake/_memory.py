@@ -39,15 +39,16 @@ def _retire(memory: HostMemory) -> None:
 
 
 class Registered:
-    """Pre-faulted host memory registered with ``engine`` (blocking to make and to
-    release: call both in worker threads).
+    """Host memory registered with ``engine``, pre-faulted unless ``populate`` is False
+    (blocking to make and to release: call both in worker threads, or on the loop where
+    registering is cheap).
 
     Raises:
         BackendError: it cannot be mapped or registered.
     """
 
-    def __init__(self, engine: Engine, size: int) -> None:
-        self.memory = HostMemory(max(size, 1))
+    def __init__(self, engine: Engine, size: int, *, populate: bool = True) -> None:
+        self.memory = HostMemory(max(size, 1), populate=populate)
         try:
             engine.register(self.memory.addr, self.memory.size)
         except BaseException:

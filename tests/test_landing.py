@@ -1,0 +1,284 @@
+"""mooncake landings (spec §9.4): an object to a peer that lent us a landing is written
+into it by the engine before its announcement, and its receipt completes when the
+write does. Checked with the real engine over tcp on 127.0.0.1: the bytes, what each
+side holds, the fallbacks to a read (landing full, write failed, write abandoned),
+the receiver's checks of a landed reference, and the receipt's outcomes end to end."""
+
+from __future__ import annotations
+
+import os
+import secrets
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import anyio
+import pytest
+import torch
+
+from omniwire import packing
+from omniwire.backends.base import BackendContext, Export, Locality, PeerInfo
+from omniwire.backends.mooncake import _blobs as blobs
+from omniwire.endpoint import Endpoint
+from omniwire.errors import BackendError
+from omniwire.testing import require_backend
+
+pytestmark = pytest.mark.engine
+
+
+def _info(b: Any, to: str) -> PeerInfo:
+    """``b`` as its peer ``to`` knows it after b's Hello addressed to it."""
+    return PeerInfo(
+        b.ctx.endpoint, b.ctx.instance, os.getpid(), "h", "t", Locality.CROSS_HOST, b.hello_to(to)
+    )
+
+
+@asynccontextmanager
+async def _pair(
+    engine: Any = None, **options: Any
+) -> AsyncIterator[tuple[Any, Any, PeerInfo, PeerInfo]]:
+    """A sender ``a`` and a receiver ``b`` that exchanged Hellos addressed to each other
+    (so each lent the other a landing). One engine per process: the writes go through
+    its tcp listener on 127.0.0.1, as between two processes."""
+    cls = require_backend("mooncake")
+    opts = {"pool_size": 1 << 20, "landing_size": 1 << 20, **options}
+    a = cls(BackendContext("a", secrets.randbits(32), opts), engine=engine)
+    b = cls(BackendContext("b", secrets.randbits(32), opts), engine=engine)
+    try:
+        await a.start()
+        await b.start()
+        peer_a, peer_b = _info(a, "b"), _info(b, "a")
+        await a.connect(peer_b)
+        await b.connect(peer_a)
+        yield a, b, peer_a, peer_b
+    finally:
+        with anyio.CancelScope(shield=True):
+            await a.aclose()
+            await b.aclose()
+
+
+async def _packed(a: Any, peer_b: PeerInfo, data: torch.Tensor) -> Export:
+    out = await a.export(peer_b, data.numel(), "cpu")
+    out.buffer.copy_(data)
+    await out.publish(0, data.numel())
+    return out
+
+
+@pytest.mark.asyncio
+async def test_a_packed_object_lands_in_the_receivers_memory_and_the_receiver_reads_nothing() -> (
+    None
+):
+    async with _pair() as (a, b, peer_a, peer_b):
+        data = torch.randint(0, 256, (300_000,), dtype=torch.uint8)
+        out = await _packed(a, peer_b, data)
+        landed = await a.land(peer_b, out)
+        assert landed is not None and out.released  # our pool slot is free already
+        assert a.stats().detail["pool_bytes_in_use"] == 0
+        imp = await b.import_(peer_a, landed.ref, data.numel())
+        assert torch.equal(imp.buffer, data)
+        dest = torch.empty_like(data)
+        await imp.fetch(0, data.numel(), dest)  # copy mode: out of the landing
+        assert torch.equal(dest, data)
+        imp.close()
+        assert b.stats().detail["reads"] == 0 and b.stats().detail["landed_in"] == 1
+        lands = a._lands["b"]
+        assert lands.ranges.allocations == 1  # the range is ours until the ACK
+        landed.release()
+        assert lands.ranges.allocations == 0
+        assert a.stats().idle and b.stats().idle
+
+
+@pytest.mark.asyncio
+async def test_lent_tensors_land_piece_by_piece_where_the_packed_layout_puts_them() -> None:
+    async with _pair() as (a, b, peer_a, peer_b):
+        tensors = [torch.arange(1000, dtype=torch.int32), torch.randn(3, 4096)]
+        plan = packing.plan(tensors)
+        out = await a.export_tensors(peer_b, tensors, lent=True)
+        assert out is not None
+        landed = await a.land(peer_b, out)
+        assert landed is not None and out.released  # the caller's tensors are free again
+        imp = await b.import_(peer_a, landed.ref, plan.nbytes)
+        got = packing.unpack(imp.buffer, plan.metas, copy=True)
+        assert all(torch.equal(g, t) for g, t in zip(got, tensors, strict=True))
+        imp.close()
+        landed.release()
+
+
+@pytest.mark.asyncio
+async def test_an_object_the_landing_cannot_hold_is_left_for_a_read() -> None:
+    async with _pair(landing_size=64 << 10) as (a, b, peer_a, peer_b):
+        data = torch.randint(0, 256, (100_000,), dtype=torch.uint8)
+        out = await _packed(a, peer_b, data)
+        assert await a.land(peer_b, out) is None
+        assert not out.released and a.stats().detail["landing_full"] == 1
+        imp = await b.import_(peer_a, out.ref, data.numel())  # the pull path, as before
+        dest = torch.empty_like(data)
+        await imp.fetch(0, data.numel(), dest)
+        assert torch.equal(dest, data)
+        imp.close()
+        out.release()
+
+
+@pytest.mark.asyncio
+async def test_no_landing_is_lent_with_landing_size_zero_or_past_landing_peers() -> None:
+    async with _pair(landing_size=0) as (a, _b, _pa, peer_b):
+        assert blobs.decode_hello(peer_b, "tcp").landing is None
+        out = await _packed(a, peer_b, torch.ones(4096, dtype=torch.uint8))
+        assert await a.land(peer_b, out) is None
+        out.release()
+    async with _pair(landing_peers=1) as (_a, b, _pa, _pb):
+        assert blobs.decode_hello(_info(b, "a"), "tcp").landing is not None  # the one lent
+        assert blobs.decode_hello(_info(b, "c"), "tcp").landing is None
+        assert b.stats().detail["landings_lent"] == 1
+
+
+class _Engine:
+    """The process's real engine, whose writes fail (``mode="fail"``) or never end
+    (``"stuck"``)."""
+
+    def __init__(self, mode: str) -> None:
+        from omniwire.backends.mooncake._engine import shared_engine
+
+        self.engine = shared_engine("127.0.0.1", "tcp", "")
+        self.session = self.engine.session
+        self.mode = mode
+        self.writes = 0
+
+    def register(self, addr: int, length: int) -> None:
+        self.engine.register(addr, length)
+
+    def unregister(self, addr: int) -> None:
+        self.engine.unregister(addr)
+
+    def submit_read(self, session: str, local: int, remote: int, length: int) -> int:
+        return self.engine.submit_read(session, local, remote, length)
+
+    def submit_write(self, session: str, local: int, remote: int, length: int) -> int:
+        self.writes += 1
+        if self.mode == "fail":
+            raise BackendError("mooncake: cannot submit a write (a test's engine)")
+        return -self.writes  # a batch that never ends
+
+    def status(self, batch: int) -> int:
+        return 0 if batch < 0 else self.engine.status(batch)
+
+
+@pytest.mark.asyncio
+async def test_a_failed_write_frees_its_range_and_leaves_the_object_for_a_read() -> None:
+    async with _pair(_Engine("fail")) as (a, b, peer_a, peer_b):
+        data = torch.randint(0, 256, (8192,), dtype=torch.uint8)
+        out = await _packed(a, peer_b, data)
+        assert await a.land(peer_b, out) is None
+        assert not out.released and a._lands["b"].ranges.allocations == 0
+        assert a.stats().detail["landing_failed"] == 1
+        imp = await b.import_(peer_a, out.ref, data.numel())
+        dest = torch.empty_like(data)
+        await imp.fetch(0, data.numel(), dest)
+        assert torch.equal(dest, data)
+        imp.close()
+        out.release()
+
+
+@pytest.mark.asyncio
+async def test_an_abandoned_write_keeps_its_range_out_of_use_also_after_a_reconnect() -> None:
+    """A write that timed out may still land: its range is never handed out again,
+    also when the peer connects anew with the same landing (after a partition)."""
+    async with _pair(_Engine("stuck"), timeout=0.05) as (a, _b, _pa, peer_b):
+        out = await _packed(a, peer_b, torch.ones(4096, dtype=torch.uint8))
+        assert await a.land(peer_b, out) is None
+        lands = a._lands["b"]
+        assert lands.ranges.allocations == 1 and not out.released
+        await a.disconnect(peer_b)
+        await a.connect(peer_b)  # the same landing: the same ranges
+        assert a._lands["b"] is lands and lands.ranges.allocations == 1
+        out.release()
+
+
+@pytest.mark.asyncio
+async def test_a_landed_reference_must_name_the_landing_lent_to_its_sender() -> None:
+    async with _pair() as (a, b, peer_a, peer_b):
+        token = blobs.decode_hello(peer_b, "tcp").landing.token  # type: ignore[union-attr]
+        session = blobs.decode_hello(peer_a, "tcp").session
+
+        def ref(**change: Any) -> bytes:
+            fields = {"offset": 0, "length": 4096, "landing": token, **change}
+            return blobs.encode(blobs.LandedRef(session, **fields))
+
+        await b.import_(peer_a, ref(), 4096)  # the valid one
+        for bad, why in [
+            (ref(landing=token ^ 1), "not the one lent to it"),
+            (ref(offset=(1 << 20) - 2048), "outside its"),
+            (blobs.encode(blobs.LandedRef(session, 0, 4096, dedicated=64, landing=token)), "mixes"),
+        ]:
+            with pytest.raises(BackendError, match=why):
+                await b.import_(peer_a, bad, 4096)
+        stranger = PeerInfo(
+            "c", 7, os.getpid(), "h", "t", Locality.CROSS_HOST, a.hello_to("c")
+        )  # a peer we never lent a landing to
+        await b.connect(stranger)
+        stranger_ref = blobs.encode(blobs.LandedRef(session, 0, 4096, landing=token))
+        with pytest.raises(BackendError, match="never lent it"):
+            await b.import_(stranger, stranger_ref, 4096)
+
+
+# -- end to end: two endpoints on two "hosts" -------------------------------------------
+
+
+@asynccontextmanager
+async def _endpoints(**receiver: Any) -> AsyncIterator[tuple[Endpoint, Endpoint]]:
+    tag = secrets.token_hex(3)
+    a = Endpoint(f"land-a-{tag}", address="tcp://127.0.0.1:0", backends=["mooncake"], host_id="ha")
+    b = Endpoint(
+        f"land-b-{tag}",
+        address="tcp://127.0.0.1:0",
+        backends=["mooncake"],
+        host_id="hb",
+        **receiver,
+    )
+    async with a, b:
+        a.add_peer(b.name, b.address)
+        await a.wait_peer(b.name, 30)
+        yield a, b
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("lend", [False, True], ids=["packed", "lent"])
+async def test_a_landed_send_completes_before_its_ack_and_settles_with_it(lend: bool) -> None:
+    """The receiver takes zero-copy deliveries and holds this one: no ACK until it lets
+    go. The receipt completes all the same (the bytes are in its memory), as "landed",
+    and settles as "delivered" with the ACK."""
+    async with _endpoints(zero_copy=True) as (a, b):
+        x = torch.randn(1 << 16)
+        with anyio.fail_after(30):
+            receipt = await a.send(b.name, {"x": x, "n": 7}, request_id="r1", lend=lend)
+            await receipt.wait()
+            assert receipt.outcome == "landed" and receipt.backend == "mooncake"
+            assert "landed in" in repr(receipt)
+            d = await b.receive()
+            assert torch.equal(d.payload["x"], x) and d.payload["n"] == 7
+            assert receipt.outcome == "landed"  # held: the ACK has not come
+            d.release()
+            assert await receipt.settled() == "delivered"
+        assert a.backend("mooncake").stats().detail["landed"] == 1
+        assert b.backend("mooncake").stats().detail["reads"] == 0
+
+
+@pytest.mark.asyncio
+async def test_a_landed_object_the_receiver_refuses_settles_as_refused() -> None:
+    async with _endpoints(zero_copy=True) as (a, b):
+        with anyio.fail_after(30):
+            receipt = await a.send(b.name, {"x": torch.ones(1 << 16)}, request_id="gone")
+            await receipt.wait()  # landed
+            await a.abort("gone", "a test")
+            assert await receipt.settled() == "refused"
+            again = await a.send(b.name, {"x": torch.ones(1 << 16)}, request_id="next")
+            await again.wait()
+            d = await b.receive()
+            if d.request_id == "gone":  # it held the request: told it was aborted
+                assert d.kind == "aborted"
+                d = await b.receive()
+            assert d.request_id == "next" and d.kind == "payload"  # "gone" never delivered
+            d.release()
+            assert await again.settled() == "delivered"
+        lands = a.backend("mooncake")._lands[b.name]  # type: ignore[attr-defined]
+        assert lands.ranges.allocations == 0  # the NACK freed the range too
