@@ -47,6 +47,8 @@ MOONCAKE_POOL = (0x7F0000000000, 64 << 20)  # address, size
 MOONCAKE_RECEIVER_SESSION = "10.0.0.2:15002"
 MOONCAKE_LANDING = (0x7F4000000000, 16 << 20, 0x2F1E2D3C4B5A6978)  # address, size, token
 NIXL_AGENT = f"ow-thinker-{PID}-0123456789ab"
+NIXL_RECEIVER_AGENT = f"ow-talker-{PID + 1}-ba9876543210"
+NIXL_LANDING = (0x7F7000000000, 16 << 20, 0x1D2C3B4A59687766)  # address, size, token
 NIXL_POOL = (0x7F0000000000, 128 << 20)
 #: A lent object (§9.1): int32[6] at 0 and float32[1024] at 64, read in place from
 #: the caller's tensors. (at, address, length) per piece; the image is 4160 bytes.
@@ -441,6 +443,20 @@ def blobs() -> dict[str, msgspec.Struct]:
             length=PIECES_LENGTH,
             landing=MOONCAKE_LANDING[2],
         ),
+        "nixl_hello_landing": nixl.LandingHello(
+            agent=NIXL_RECEIVER_AGENT,
+            metadata=_nixl_metadata(b"receiver", NIXL_RECEIVER_AGENT),
+            pools=[nixl.Region(addr=0x7F6000000000, length=128 << 20, dev=0, mem="DRAM")],
+            pieces=True,
+            landing=nixl.Landing(
+                nixl.Region(addr=NIXL_LANDING[0], length=NIXL_LANDING[1], dev=0, mem="DRAM"),
+                _nixl_metadata(b"landing", NIXL_RECEIVER_AGENT),
+                NIXL_LANDING[2],
+            ),
+        ),
+        "nixl_ref_landed": nixl.LandedRef(
+            pool=nixl.LANDED, offset=1 << 20, length=PIECES_LENGTH, landing=NIXL_LANDING[2]
+        ),
         "nixl_hello_pieces": nixl.PiecesHello(
             agent=NIXL_AGENT, metadata=nixl_md, pools=[pool], pieces=True
         ),
@@ -463,10 +479,10 @@ def blobs() -> dict[str, msgspec.Struct]:
     }
 
 
-def _nixl_metadata(tail: bytes) -> bytes:
+def _nixl_metadata(tail: bytes, agent: str = NIXL_AGENT) -> bytes:
     """A stand-in for NIXL's metadata blob: its real head (``nixlSerDes|Agent``, the
     name's length, the agent name, ``|``), then ``tail``."""
-    name = NIXL_AGENT.encode()
+    name = agent.encode()
     return b"nixlSerDes|Agent" + len(name).to_bytes(8, "little") + name + b"|" + tail
 
 

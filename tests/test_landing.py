@@ -223,18 +223,24 @@ async def test_a_landed_reference_must_name_the_landing_lent_to_its_sender() -> 
 
 # -- end to end: two endpoints on two "hosts" -------------------------------------------
 
+ENGINES = ("mooncake", "nixl")
+os.environ.setdefault("UCX_NET_DEVICES", "lo")
+
 
 @asynccontextmanager
-async def _endpoints(**receiver: Any) -> AsyncIterator[tuple[Endpoint, Endpoint]]:
+async def _endpoints(
+    engine: str, options: dict[str, Any] | None = None, **receiver: Any
+) -> AsyncIterator[tuple[Endpoint, Endpoint]]:
+    require_backend(engine)
     tag = secrets.token_hex(3)
-    a = Endpoint(f"land-a-{tag}", address="tcp://127.0.0.1:0", backends=["mooncake"], host_id="ha")
-    b = Endpoint(
-        f"land-b-{tag}",
-        address="tcp://127.0.0.1:0",
-        backends=["mooncake"],
-        host_id="hb",
-        **receiver,
-    )
+    names = (f"land-a-{tag}", f"land-b-{tag}")
+    common: dict[str, Any] = {
+        "address": "tcp://127.0.0.1:0",
+        "backends": [engine],
+        "backend_options": {engine: options or {}},
+    }
+    a = Endpoint(names[0], host_id="ha", routes={names[1]: engine}, **common)
+    b = Endpoint(names[1], host_id="hb", routes={names[0]: engine}, **common, **receiver)
     async with a, b:
         a.add_peer(b.name, b.address)
         await a.wait_peer(b.name, 30)
@@ -242,30 +248,34 @@ async def _endpoints(**receiver: Any) -> AsyncIterator[tuple[Endpoint, Endpoint]
 
 
 @pytest.mark.asyncio
+@pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("lend", [False, True], ids=["packed", "lent"])
-async def test_a_landed_send_completes_before_its_ack_and_settles_with_it(lend: bool) -> None:
+async def test_a_landed_send_completes_before_its_ack_and_settles_with_it(
+    engine: str, lend: bool
+) -> None:
     """The receiver takes zero-copy deliveries and holds this one: no ACK until it lets
     go. The receipt completes all the same (the bytes are in its memory), as "landed",
     and settles as "delivered" with the ACK."""
-    async with _endpoints(zero_copy=True) as (a, b):
+    async with _endpoints(engine, zero_copy=True) as (a, b):
         x = torch.randn(1 << 16)
         with anyio.fail_after(30):
             receipt = await a.send(b.name, {"x": x, "n": 7}, request_id="r1", lend=lend)
             await receipt.wait()
-            assert receipt.outcome == "landed" and receipt.backend == "mooncake"
+            assert receipt.outcome == "landed" and receipt.backend == engine
             assert "landed in" in repr(receipt)
             d = await b.receive()
             assert torch.equal(d.payload["x"], x) and d.payload["n"] == 7
             assert receipt.outcome == "landed"  # held: the ACK has not come
             d.release()
             assert await receipt.settled() == "delivered"
-        assert a.backend("mooncake").stats().detail["landed"] == 1
-        assert b.backend("mooncake").stats().detail["reads"] == 0
+        assert a.backend(engine).stats().detail["landed"] == 1
+        assert b.backend(engine).stats().detail["reads"] == 0
 
 
 @pytest.mark.asyncio
-async def test_a_landed_object_the_receiver_refuses_settles_as_refused() -> None:
-    async with _endpoints(zero_copy=True) as (a, b):
+@pytest.mark.parametrize("engine", ENGINES)
+async def test_a_landed_object_the_receiver_refuses_settles_as_refused(engine: str) -> None:
+    async with _endpoints(engine, zero_copy=True) as (a, b):
         with anyio.fail_after(30):
             receipt = await a.send(b.name, {"x": torch.ones(1 << 16)}, request_id="gone")
             await receipt.wait()  # landed
@@ -280,5 +290,62 @@ async def test_a_landed_object_the_receiver_refuses_settles_as_refused() -> None
             assert d.request_id == "next" and d.kind == "payload"  # "gone" never delivered
             d.release()
             assert await again.settled() == "delivered"
-        lands = a.backend("mooncake")._lands[b.name]  # type: ignore[attr-defined]
+        lands = a.backend(engine)._lands[b.name]  # type: ignore[attr-defined]
         assert lands.ranges.allocations == 0  # the NACK freed the range too
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("engine", ENGINES)
+async def test_objects_the_landing_cannot_hold_now_are_read_and_all_arrive_in_order(
+    engine: str,
+) -> None:
+    """A 256 KiB landing and 96 KiB objects, eight sent back to back to a zero-copy
+    receiver (each range is held until the application lets go): the first ones
+    land, the others find no free range and are read by the receiver; every one
+    arrives intact, in order, and the landing is empty at the end."""
+    async with _endpoints(engine, {"landing_size": 256 << 10}, zero_copy=True) as (a, b):
+        sent = [torch.full((24 << 10,), float(i)) for i in range(8)]
+        with anyio.fail_after(60):
+            receipts = [
+                await a.stream(b.name, t, request_id="s", metadata={"i": i})
+                for i, t in enumerate(sent)
+            ]
+            for i, t in enumerate(sent):
+                d = await b.receive()
+                assert d.metadata == {"i": i} and torch.equal(d.payload, t)
+                d.release()
+            outcomes = [await r.settled() for r in receipts]
+        assert outcomes == ["delivered"] * 8
+        detail = a.backend(engine).stats().detail
+        assert detail["landed"] >= 1 and detail["landing_full"] >= 1, detail
+        assert detail["landed"] + detail["landing_full"] == 8, detail
+        assert b.backend(engine).stats().detail["reads"] >= 1
+        lands = a.backend(engine)._lands[b.name]  # type: ignore[attr-defined]
+        assert lands.ranges.allocations == 0
+
+
+@pytest.mark.asyncio
+async def test_a_nixl_write_that_fails_leaves_the_object_for_a_read_and_its_range_unused() -> None:
+    """NIXL cannot say whether a failed WRITE reached the memory: the object is
+    announced for a READ (and arrives), and the range stays out of use."""
+    require_backend("nixl")
+    from omniwire.backends.nixl import NixlAgent
+
+    class FailingWrites(NixlAgent):
+        def start_write(self, *args: Any, **kwargs: Any) -> Any:
+            raise BackendError("nixl: WRITE refused (a test's agent)")
+
+    async with _endpoints("nixl", {"agent_factory": FailingWrites}) as (a, b):
+        x = torch.randn(1 << 16)
+        with anyio.fail_after(30):
+            receipt = await a.send(b.name, {"x": x}, request_id="w")
+            await receipt.wait()
+            assert receipt.outcome == "delivered"  # read, and acknowledged
+            d = await b.receive()
+            assert torch.equal(d.payload["x"], x)
+            d.release()
+        detail = a.backend("nixl").stats().detail
+        assert detail["landing_failed"] == 1 and detail["landed"] == 0
+        assert b.backend("nixl").stats().detail["reads"] == 1
+        lands = a.backend("nixl")._lands[b.name]  # type: ignore[attr-defined]
+        assert lands.ranges.allocations == 1  # kept out of use

@@ -230,7 +230,8 @@ def test_objects_beyond_the_pool_use_dedicated_registrations(pair: _Pair) -> Non
         ({"pool": 0, "offset": 0, "length": 65}, "length"),
         ({"pool": -1, "offset": 0, "length": 64}, "no region"),
         ({"pool": -2, "offset": 0, "length": 64}, "mixes"),
-        ({"pool": -3, "offset": 0, "length": 64}, "malformed"),
+        ({"pool": -4, "offset": 0, "length": 64}, "malformed"),
+        ({"pool": -3, "offset": 0, "length": 64}, "not the one lent to it"),
         (
             {
                 "pool": -2,
@@ -270,6 +271,7 @@ def test_objects_beyond_the_pool_use_dedicated_registrations(pair: _Pair) -> Non
         "no-region",
         "no-pieces",
         "unknown-form",
+        "landed-in-no-landing",
         "piece-names-no-region",
         "piece-outside-region",
         "overlapping-pieces",

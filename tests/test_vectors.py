@@ -215,23 +215,8 @@ def test_engine_reference_vectors_pass_the_receivers_check(path: pathlib.Path) -
     hello = VECTORS / "blobs" / f"{backend}_hello{form}.bin"
     plain = msgspec.msgpack.decode(path.read_bytes())
     length = plain["nbytes"] if backend == "nccl" else plain["length"]
-    if "landed" in path.stem:  # the sender's session; the receiver's own landing
-        blobs = _blob_module(backend)
-        sender = blobs.decode_hello(_peer_info("thinker", hello.read_bytes()), "tcp")
-        ref = blobs.decode_ref(path.read_bytes(), sender, length, "thinker")
-        lender = VECTORS / "blobs" / f"{backend}_hello_landing.bin"
-        landing = blobs.decode_hello(_peer_info("talker", lender.read_bytes()), "tcp").landing
-        assert landing is not None
-        assert blobs.landed_range(ref, landing.token, landing.length, "thinker") == (
-            plain["offset"],
-            length,
-        )
-        with pytest.raises(errors.BackendError, match="not the one lent to it"):
-            blobs.landed_range(ref, landing.token + 1, landing.length, "thinker")
-        with pytest.raises(errors.BackendError, match="outside its"):
-            blobs.landed_range(ref, landing.token, plain["offset"] + length - 1, "thinker")
-        with pytest.raises(errors.BackendError, match="did not lend it"):
-            blobs.spans(ref, sender, length, "thinker")
+    if "landed" in path.stem:
+        _check_landed_ref(backend, hello.read_bytes(), path.read_bytes(), plain["offset"], length)
         return
     _check_engine_ref(backend, hello.read_bytes(), path.read_bytes(), length)
     if "pieces" in path.stem:  # every piece lies inside the object, sorted, disjoint
@@ -239,6 +224,42 @@ def test_engine_reference_vectors_pass_the_receivers_check(path: pathlib.Path) -
         assert pieces == sorted(pieces)
         assert all(a + n <= b for (a, n), (b, _) in itertools.pairwise(pieces))
         assert pieces[-1][0] + pieces[-1][1] <= length
+
+
+def _check_landed_ref(backend: str, sender: bytes, data: bytes, offset: int, length: int) -> None:
+    """A landed reference (§9.4, §9.5): checked against the landing the receiver lent
+    (its own Hello vector with a landing): the right token and range pass, another
+    token or a smaller landing do not, and the read path refuses it."""
+    blobs = _blob_module(backend)
+    lender = (VECTORS / "blobs" / f"{backend}_hello_landing.bin").read_bytes()
+    if backend == "mooncake":
+        hello = blobs.decode_hello(_peer_info("thinker", sender), "tcp")
+        ref = blobs.decode_ref(data, hello, length, "thinker")
+        landing = blobs.decode_hello(_peer_info("talker", lender), "tcp").landing
+        assert landing is not None
+
+        def check(token: int, size: int) -> tuple[int, int] | None:
+            return blobs.landed_range(ref, token, size, "thinker")  # type: ignore[no-any-return]
+
+        size = landing.length
+        with pytest.raises(errors.BackendError, match="did not lend it"):
+            blobs.spans(ref, hello, length, "thinker")
+    else:
+        landing = blobs.decode_hello(_peer_info("talker", lender)).landing
+        assert landing is not None
+
+        def check(token: int, size: int) -> tuple[int, int] | None:
+            return blobs.landed_range(data, token, size, length, "thinker")  # type: ignore[no-any-return]
+
+        size = landing.region.length
+        pools = blobs.decode_hello(_peer_info("thinker", sender)).pools
+        with pytest.raises(errors.BackendError):
+            blobs.resolve(data, pools, length, "thinker")
+    assert check(landing.token, size) == (offset, length)
+    with pytest.raises(errors.BackendError, match="not the one lent to it"):
+        check(landing.token ^ 1, size)
+    with pytest.raises(errors.BackendError, match="outside its"):
+        check(landing.token, offset + length - 1)
 
 
 def _blob_module(backend: str) -> Any:

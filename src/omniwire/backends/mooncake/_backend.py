@@ -1,17 +1,16 @@
 """The mooncake backend: exports in the registered pool (or the caller's lent
-tensors), imports read with the engine. See the package docstring."""
+tensors), written into the peer's landing or read by it with the engine. See the
+package docstring."""
 
 from __future__ import annotations
 
 import logging
-import secrets
 from typing import ClassVar, Literal
 
 import anyio
 import torch
 
 from ... import hops
-from ...alloc import BuddyAllocator
 from ...errors import BackendClosedError, BackendError
 from ..base import (
     Availability,
@@ -24,6 +23,7 @@ from ..base import (
     PeerInfo,
     copy_range,
 )
+from ..landing import LandedExport, Lands, new_token
 from ..pool import Lease, SlotPool
 from ..support import (
     Completions,
@@ -77,42 +77,8 @@ class _Landing:
 
     def __init__(self, memory: Registered) -> None:
         self.memory = memory
-        self.token = secrets.randbits(63) + 1  # names this landing in references (not 0)
+        self.token = new_token()  # names this landing in references
         self.info = blobs.Landing(memory.addr, memory.size, self.token)
-
-
-class _Lands:
-    """A peer's landing lent to us: which of its ranges our objects in flight hold.
-
-    Kept per peer name across sessions with the same landing: a range whose write was
-    abandoned (timeout, peer lost mid-write: it may still land) is never handed out
-    again, also after a reconnect."""
-
-    def __init__(self, landing: blobs.Landing, session: str, key: tuple[str, int]) -> None:
-        self.addr = landing.addr
-        self.token = landing.token
-        self.session = session
-        self.key = key
-        self.ranges = BuddyAllocator(landing.length)
-
-
-class _LandedExport(Export):
-    """An object that landed in the peer's memory: holds its range until the ACK."""
-
-    def __init__(
-        self, backend: MooncakeBackend, lands: _Lands, offset: int, nbytes: int, ref: bytes
-    ) -> None:
-        super().__init__(backend, nbytes, None)
-        self.lands = lands
-        self.offset = offset
-        self._ref = ref
-
-    @property
-    def ref(self) -> bytes:
-        return self._ref
-
-    def _release(self) -> None:
-        self.lands.ranges.free(self.offset)
 
 
 class _Import(Import):
@@ -313,7 +279,7 @@ class MooncakeBackend(ByteBackend):
     name: ClassVar[str] = "mooncake"
     summary: ClassVar[str] = (
         "Mooncake Transfer Engine (P2P handshake): the receiver reads from the sender's "
-        "registered pool"
+        "registered pool, or the sender writes into the receiver's landing"
     )
     install_hint: ClassVar[str] = INSTALL_HINT
     auto_start: ClassVar[Literal["always", "tcp", "never"]] = "tcp"
@@ -381,7 +347,7 @@ class MooncakeBackend(ByteBackend):
         #: Landings we lent, by the name of the peer they are lent to (receiver side).
         self._landings: dict[str, _Landing] = {}
         #: Landings peers lent us, by their names (sender side).
-        self._lands: dict[str, _Lands] = {}
+        self._lands: dict[str, Lands] = {}
         self._busy = 0
         #: Callers' memory that abandoned reads (timeout, peer lost) may still write:
         #: (the tensor, kept so it is not reused; its address if registered for that
@@ -516,8 +482,11 @@ class MooncakeBackend(ByteBackend):
             if lands is not None and not lands.ranges.allocations:
                 del self._lands[peer.name]
             return
-        if lands is None or (lands.token, lands.session) != (hello.landing.token, hello.session):
-            self._lands[peer.name] = _Lands(hello.landing, hello.session, peer.key)
+        landing = hello.landing
+        if lands is None or not lands.same(landing.token, hello.session):
+            self._lands[peer.name] = Lands(
+                landing.addr, landing.length, landing.token, hello.session, peer.key
+            )
         else:
             lands.key = peer.key
 
@@ -527,7 +496,7 @@ class MooncakeBackend(ByteBackend):
         Handles still alive for it are released by their owners (the endpoint always
         does): releasing them here could hand a slot to another object while a pack
         still writes into it or a zero-copy view still reads it. What it lent us is
-        kept while a range of it is held (see :class:`_Lands`).
+        kept while a range of it is held (see :class:`Lands`).
         """
         self._peers.pop(peer.key, None)
         lands = self._lands.get(peer.name)
@@ -676,9 +645,9 @@ class MooncakeBackend(ByteBackend):
         base = lands.addr + offset
         writes = [(addr, base + at, length) for at, addr, length in local]
         try:
-            await self._write(engine, peer, lands.session, writes, nbytes)
+            await self._write(engine, peer, lands.owner, writes, nbytes)
         except (TransferTimeoutError, TransferAbandonedError) as exc:
-            # it may still land: the range is never handed out again (see _Lands)
+            # it may still land: the range is never handed out again (see Lands)
             self.counters["landing_failed"] += 1
             log.warning("mooncake: %s (announced for a read instead)", exc)
             return None
@@ -691,7 +660,7 @@ class MooncakeBackend(ByteBackend):
             lands.ranges.free(offset)  # written (or never started): nobody names it
             raise
         ref = blobs.LandedRef(engine.session, offset, nbytes, landing=lands.token)
-        landed = _LandedExport(self, lands, offset, nbytes, blobs.encode(ref))
+        landed = LandedExport(self, lands, offset, nbytes, blobs.encode(ref))
         export.release()  # in the peer's memory now: ours is free
         self.counters["landed"] += 1
         return landed

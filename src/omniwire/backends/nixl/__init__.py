@@ -1,4 +1,5 @@
-"""``nixl``: NVIDIA NIXL agents over UCX, pull model (one-sided READs).
+"""``nixl``: NVIDIA NIXL agents over UCX: one-sided READs by the receiver, or WRITEs by
+the sender into the receiver's landing.
 
 Files: ``_blobs`` (Hello info and references, validated), ``_engine`` (the raw
 NIXL calls behind the :class:`Agent` seam, errors mapped once), ``_memory``
@@ -27,6 +28,18 @@ posted on the event loop
 backend's :class:`~omniwire.backends.support.Completions` thread, which wakes the
 loop when each ends: no worker thread has to be scheduled before the READ starts. The sender's agent is passive: it learns that
 the object was taken from omniwire's ACK, so reads carry no NIXL notification.
+
+**Landings** (push, spec §9.5; shared with mooncake, :mod:`omniwire.backends.landing`):
+each backend lends every peer it writes a Hello to a *landing* of ``landing_size``
+bytes of host memory (16 MiB by default, not pre-faulted, registered on the loop in
+tens of microseconds; none past ``landing_peers`` peers), announced with its
+partial metadata. The peer loads that metadata once (it stays loaded through a
+reload) and WRITEs a complete object there before announcing it, in one transfer
+from its pool slot or its lent tensors: NIXL's UCX backend flushes the endpoint
+after the puts, so ``DONE`` means the bytes are in the receiver's memory, and the
+send's receipt completes then (outcome ``"landed"``). The receiver READs nothing.
+A WRITE that fails leaves the object for a READ, and its range out of use (whether
+it reached the memory is not known).
 
 **Shared references** (``Capabilities.shared_refs``): a reference names a pool and
 an offset (or a dedicated region with its metadata), which any peer may read: a
@@ -63,7 +76,9 @@ the current device), ``register_dest_min`` (bytes, default 256 KiB),
 0: none), ``register_inline`` (bytes: a lent host tensor's storage up to this size is
 registered on the event loop rather than in a worker thread, default 4 MiB; measured
 with UCX over tcp: ~50 µs for 1 MiB, ~200 µs for 16 MiB), ``timeout``
-(seconds one read may take, default 30 plus 1 s per 50 MB), ``agent_factory`` (a
+(seconds one read may take, default 30 plus 1 s per 50 MB), ``landing_size`` (bytes
+lent to each peer for landed objects, default 16 MiB; 0: none), ``landing_peers``
+(how many peers get one, default 64), ``agent_factory`` (a
 callable returning an :class:`Agent` for a name, instead of a NIXL agent).
 
 Environment: UCX reads ``UCX_*`` variables (tests pin ``UCX_NET_DEVICES=lo``);

@@ -1,5 +1,6 @@
 """The nixl backend: exports in a registered pool (or the caller's lent tensors),
-imports read with one-sided READs. See the package docstring."""
+written into the peer's landing or read by it with one-sided READs. See the package
+docstring."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from typing import ClassVar, Literal
 import anyio
 import torch
 
+from ... import hops
 from ...errors import BackendClosedError, BackendError
 from ..base import (
     Availability,
@@ -22,9 +24,17 @@ from ..base import (
     Locality,
     PeerInfo,
 )
+from ..landing import LandedExport, Lands, new_token
 from ..pool import Lease, SlotPool
-from ..support import Completions, LentExport, RegisteredRecvPool, RegistrationCache, Releaser, lend
-from ..threads import make_in_thread
+from ..support import (
+    Completions,
+    LentExport,
+    RegisteredRecvPool,
+    RegistrationCache,
+    Releaser,
+    lend,
+)
+from ..threads import make_in_thread, run_to_end
 from . import _blobs as blobs
 from ._blobs import Lent, Mem
 from ._engine import (
@@ -36,6 +46,8 @@ from ._engine import (
     check_agent,
     load_api,
     load_checked,
+    read,
+    read_async,
 )
 from ._memory import LentRegistration, Memory, new_pool, recv_pool, registration_cache
 from ._reading import Loaded, Remote, SpanImport
@@ -88,11 +100,25 @@ class _Export(Export):
         self.lease.release()
 
 
+class _Landing:
+    """Host memory of ours lent to one peer (by name) for its landed objects,
+    registered when the first Hello addressed to it is written and kept until
+    :meth:`NixlBackend.aclose` (as mooncake's, see :mod:`~omniwire.backends.landing`)."""
+
+    def __init__(self, memory: Memory) -> None:
+        self.memory = memory
+        self.token = new_token()
+        self.info = blobs.Landing(memory.region, memory.metadata, self.token)
+
+
 class NixlBackend(ByteBackend):
     """NIXL over UCX. Options: see the package docstring."""
 
     name: ClassVar[str] = "nixl"
-    summary: ClassVar[str] = "NVIDIA NIXL agent over UCX, one-sided READs from a registered pool"
+    summary: ClassVar[str] = (
+        "NVIDIA NIXL agent over UCX: one-sided READs from a registered pool, or WRITEs "
+        "into the receiver's landing"
+    )
     install_hint: ClassVar[str] = INSTALL_HINT
     auto_start: ClassVar[Literal["always", "tcp", "never"]] = "tcp"
     capabilities: ClassVar[Capabilities] = Capabilities(
@@ -121,8 +147,14 @@ class NixlBackend(ByteBackend):
             self.register_inline = int(opts.get("register_inline", 4 << 20))
             timeout = opts.get("timeout")
             self._timeout = float(timeout) if timeout is not None else None
+            self.landing_size = int(opts.get("landing_size", 16 << 20))
+            self.landing_peers = int(opts.get("landing_peers", 64))
         except (TypeError, ValueError) as exc:
             raise BackendError(f"nixl: bad options {dict(opts)!r}: {exc}") from None
+        if self.landing_size < 0 or self.landing_peers < 0:
+            raise BackendError(
+                f"nixl: bad options {dict(opts)!r} (landing_size and landing_peers >= 0)"
+            )
         self._factory: AgentFactory = agent_factory or opts.get("agent_factory") or NixlAgent
         self.agent_name = agent_name(ctx.endpoint)
         self._agent: Agent | None = None
@@ -135,6 +167,10 @@ class NixlBackend(ByteBackend):
         #: Waits for READs started on the event loop (see _reading.SpanImport.fetch).
         self._completions = Completions("omniwire-nixl-completions")
         self._remotes: dict[tuple[str, int], Remote] = {}
+        #: Landings we lent, by the name of the peer they are lent to (receiver side).
+        self._landings: dict[str, _Landing] = {}
+        #: Landings peers lent us, by their names (sender side).
+        self._lands: dict[str, Lands] = {}
         self._quarantined: list[object] = []  # what a READ that could not be cancelled may hit
         self._active = 0
         self._idle: anyio.Event | None = None
@@ -145,6 +181,10 @@ class NixlBackend(ByteBackend):
             "dest_registrations": 0,
             "lent": 0,
             "recv_pool_refused": 0,
+            "landed": 0,  # objects we wrote into a peer's landing
+            "landed_in": 0,  # objects peers wrote into ours
+            "landing_full": 0,  # objects announced for a READ: no free range
+            "landing_failed": 0,  # WRITEs that failed (announced for a READ instead)
         }
 
     @classmethod
@@ -232,6 +272,33 @@ class NixlBackend(ByteBackend):
     def hello(self) -> bytes:
         return self._info
 
+    def hello_to(self, peer: str) -> bytes:
+        """:meth:`hello` with the landing lent to ``peer`` (made on its first Hello;
+        none past ``landing_peers`` peers, or with ``landing_size`` 0)."""
+        landing = self._landing_for(peer)
+        if landing is None:
+            return self._info
+        hello = blobs.decode_hello_info(self._info)
+        return blobs.encode(
+            blobs.LandingHello(
+                hello.agent, hello.metadata, hello.pools, pieces=True, landing=landing.info
+            )
+        )
+
+    def _landing_for(self, peer: str) -> _Landing | None:
+        landing = self._landings.get(peer)
+        if landing is not None or self._agent is None or self._closed:
+            return landing
+        if not self.landing_size or len(self._landings) >= self.landing_peers:
+            return None
+        try:  # on the loop: UCX registers unfaulted host memory in tens of microseconds
+            memory = Memory(self._agent, self.landing_size, "DRAM", 0, partial=True, populate=False)
+        except BackendError as exc:
+            log.warning("nixl: no landing for %r: %s", peer, exc)
+            return None
+        landing = self._landings[peer] = _Landing(memory)
+        return landing
+
     def _live_agent(self) -> Agent:
         if self._closed:
             raise BackendClosedError("nixl backend is closed")
@@ -265,8 +332,33 @@ class NixlBackend(ByteBackend):
 
         await anyio.to_thread.run_sync(load)
         self._remotes[peer.key] = remote
+        await self._lent_by(peer, remote, hello)
+
+    async def _lent_by(self, peer: PeerInfo, remote: Remote, hello: blobs.LandingHello) -> None:
+        """Keep the landing ``peer`` lent us (if any), its registration made known to
+        our agent (loaded for good: a reload of the peer keeps it)."""
+        lands = self._lands.get(peer.name)
+        landing = hello.landing
+        if landing is None:
+            if lands is not None and not lands.ranges.allocations:
+                del self._lands[peer.name]
+            return
+        region = landing.region
+        try:
+            await self._load(remote, Lent(region, landing.metadata))
+        except BackendError as exc:
+            log.warning("nixl: the landing %r lent cannot be used: %s", peer.name, exc)
+            return
+        if lands is None or not lands.same(landing.token, hello.agent):
+            lands = self._lands[peer.name] = Lands(
+                region.addr, region.length, landing.token, hello.agent, peer.key
+            )
+        lands.key = peer.key
 
     async def disconnect(self, peer: PeerInfo) -> None:
+        lands = self._lands.get(peer.name)
+        if lands is not None and lands.key == peer.key and not lands.ranges.allocations:
+            del self._lands[peer.name]
         remote = self._remotes.pop(peer.key, None)
         if remote is None:
             return
@@ -296,6 +388,9 @@ class NixlBackend(ByteBackend):
         cached = self._registrations.clear() if self._registrations is not None else []
         recv, self._recv_pool = self._recv_pool, None
         received = recv.close_registered() if recv is not None else []
+        landings = [landing.memory for landing in self._landings.values()]
+        self._landings.clear()
+        self._lands.clear()
 
         def teardown() -> None:
             self._completions.stop()
@@ -313,6 +408,8 @@ class NixlBackend(ByteBackend):
                 recv.clear()
             for pool in pools:
                 pool.memory.release()
+            for memory in landings:
+                memory.release()
             agent.close()
 
         await anyio.to_thread.run_sync(teardown)
@@ -327,6 +424,7 @@ class NixlBackend(ByteBackend):
             "recv_pool_registrations": self._recv_pool.registrations if self._recv_pool else 0,
             "recv_pool_bytes": self._recv_pool.registered_bytes if self._recv_pool else 0,
             "reads_on_loop": self._completions.waited,
+            "landings_lent": len(self._landings),
             **self.counters,
         }
         for pool in self._pools:
@@ -482,7 +580,119 @@ class NixlBackend(ByteBackend):
         ref = blobs.encode(blobs.PiecesRef(blobs.PIECES, 0, nbytes, lent=lents, pieces=out))
         self.counters["lent"] += 1
         keys = [key for key, _ in acquired]
-        return LentExport(self, nbytes, ref, self.registrations, keys, [p.tensor for p in pieces])
+        tensors = [p.tensor for p in pieces]
+        spans = [(p.at, p.addr, p.nbytes) for p in pieces]
+        return LentExport(self, nbytes, ref, self.registrations, keys, tensors, spans)
+
+    async def land(self, peer: PeerInfo, export: Export) -> Export | None:
+        """WRITE the export's bytes into the landing ``peer`` lent us, in one transfer
+        from where they are (a pool slot, a dedicated buffer, the lent tensors); None
+        when it lent none, none of its ranges is free, or the WRITE failed."""
+        agent = self._live_agent()
+        lands = self._lands.get(peer.name)
+        remote = self._remotes.get(peer.key)
+        nbytes = export.nbytes
+        if (
+            lands is None
+            or remote is None
+            or lands.key != peer.key
+            or not remote.alive
+            or not nbytes
+            or export.released
+            or not hasattr(agent, "start_write")
+        ):
+            return None
+        local = self._local_spans(export)
+        if local is None:
+            return None
+        offset = lands.ranges.allocate(nbytes)
+        if offset is None:
+            self.counters["landing_full"] += 1
+            return None
+        base = lands.addr + offset
+        writes = [(addr, base + at, length) for at, addr, length in local]
+        try:
+            await self._write(agent, remote, writes, nbytes)
+        except BackendError as exc:
+            # Whether a failed WRITE can still land is not known here (NIXL cancels
+            # what it releases, but a WRITE cut off by a lost peer, say, may have been
+            # on the wire): its range is never handed out again (see Lands).
+            self.counters["landing_failed"] += 1
+            log.warning("nixl: %s (announced for a READ instead)", exc)
+            return None
+        except BaseException:
+            lands.ranges.free(offset)  # written (or never started): nobody names it
+            raise
+        ref = blobs.LandedRef(blobs.LANDED, offset, nbytes, landing=lands.token)
+        landed = LandedExport(self, lands, offset, nbytes, blobs.encode(ref))
+        export.release()  # in the peer's memory now: ours is free
+        self.counters["landed"] += 1
+        return landed
+
+    def _local_spans(self, export: Export) -> list[tuple[int, int, int]] | None:
+        """Where an export's bytes are in our registered host memory: ``(at, address,
+        length)`` per span; None for another kind (a VRAM slot, another backend's)."""
+        if isinstance(export, _Export):
+            memory = export.lease.buffer or export.pool.memory
+            if memory.region.mem != "DRAM":
+                return None
+            offset = 0 if export.lease.buffer is not None else export.lease.offset
+            return [(0, memory.region.addr + offset, export.nbytes)]
+        if isinstance(export, LentExport) and export.backend is self and export.spans:
+            return export.spans
+        return None
+
+    async def _write(
+        self, agent: Agent, remote: Remote, writes: list[tuple[int, int, int]], nbytes: int
+    ) -> None:
+        """One WRITE of ``(local, remote, length)`` spans to the peer, waited for as a
+        READ is (on the loop once its connection is up, else in a worker thread); it
+        counts as a transfer in flight from the peer (a reload waits for it)."""
+        while remote.refreshing is not None:
+            await remote.refreshing.wait()
+        timeout = self.timeout_for(nbytes)
+        what = f"{nbytes} bytes to {remote.peer!r}"
+        dram = (0, "DRAM")
+
+        def cancelled() -> bool:
+            return not remote.alive or self._closed
+
+        def run() -> None:
+            read(agent, writes, dram, remote.agent, dram, timeout, what, cancelled, write=True)
+
+        self._active += 1
+        remote.active += 1
+        try:
+            if remote.opened and len(writes) <= 16:
+                hops.mark("engine: submit WRITE (event loop)")
+                await read_async(
+                    agent,
+                    self._completions,
+                    writes,
+                    dram,
+                    remote.agent,
+                    dram,
+                    timeout,
+                    what,
+                    cancelled,
+                    write=True,
+                )
+            else:
+                hops.mark("engine: submit and wait WRITE (worker thread)")
+                await run_to_end(run)
+                remote.opened = True
+            hops.mark("engine: back on the loop")
+        except BackendError:
+            remote.opened = False
+            await self._recover(remote)
+            raise
+        finally:
+            self._active -= 1
+            remote.active -= 1
+            if remote.active == 0 and remote.idle is not None:
+                remote.idle.set()
+            if self._active == 0 and self._idle is not None:
+                self._idle.set()
 
     # -- receiver --------------------------------------------------------------------------
 
@@ -491,6 +701,15 @@ class NixlBackend(ByteBackend):
         remote = self._remotes.get(peer.key)
         if remote is None or not remote.alive:
             raise BackendError(f"{peer.name!r} did not announce nixl in its Hello")
+        landing = self._landings.get(peer.name)
+        token, size = (landing.token, landing.memory.region.length) if landing else (0, 0)
+        landed = blobs.landed_range(ref, token, size, nbytes, peer.name)
+        if landed is not None:
+            assert landing is not None
+            offset, _ = landed
+            self.counters["landed_in"] += 1
+            view = landing.memory.tensor[offset : offset + nbytes]
+            return Import(self, peer, nbytes, buffer=view)
         spans, lents = blobs.resolve(ref, remote.pools, nbytes, peer.name)
         loaded: list[Loaded] = []
         try:

@@ -26,6 +26,14 @@ Exactly one of three forms:
   overlap, have ``length > 0`` and lie inside the object; bytes between pieces are
   padding (unspecified).
 
+**Landings** (spec §9.5): a Hello addressed to one peer may end with ``"landing":
+[region, metadata, token]``, host memory of the Hello's writer registered with its
+agent (``metadata``: that registration's partial metadata) that the addressee may
+WRITE objects into before it announces them. A fourth reference form, **landed**
+(``pool == -3``; ``region`` nil, ``metadata`` empty, ``lent`` and ``pieces`` empty,
+then ``"landing": token``), says the object's bytes are ``[offset, offset + length)``
+of the landing the receiver lent that peer under ``token``.
+
 A region named by a dedicated or lent reference must not overlap the peer's pools.
 Descriptors always travel in these structs: NIXL's
 ``get_serialized_descs``/``deserialize_descs`` use pickle and are never called.
@@ -46,6 +54,9 @@ from ..support import check_pieces, decode_blob
 
 __all__ = [
     "HelloInfo",
+    "LandedRef",
+    "Landing",
+    "LandingHello",
     "Lent",
     "Piece",
     "PiecesHello",
@@ -54,7 +65,9 @@ __all__ = [
     "Region",
     "Span",
     "decode_hello",
+    "decode_hello_info",
     "encode",
+    "landed_range",
     "md_agent",
     "resolve",
 ]
@@ -64,7 +77,7 @@ U64 = Annotated[int, msgspec.Meta(ge=0)]  # msgpack integers stop at 2**64 - 1
 Mem = Literal["DRAM", "VRAM"]
 #: Largest metadata blob accepted from a peer.
 MAX_METADATA = 1 << 20
-POOL, DEDICATED, PIECES = 0, -1, -2
+POOL, DEDICATED, PIECES, LANDED = 0, -1, -2, -3
 
 
 class Region(msgspec.Struct, frozen=True, array_like=True):
@@ -100,6 +113,20 @@ class PiecesHello(HelloInfo, frozen=True):
     pieces: bool = False
 
 
+class Landing(msgspec.Struct, frozen=True, array_like=True):
+    """Host memory the Hello's writer lent its addressee for landed objects."""
+
+    region: Region
+    metadata: bytes
+    token: Annotated[int, msgspec.Meta(ge=1)]  # u64
+
+
+class LandingHello(PiecesHello, frozen=True):
+    """What the backend reads, and announces to one peer: with its ``landing``."""
+
+    landing: Landing | None = None
+
+
 class Ref(msgspec.Struct, frozen=True):
     pool: Annotated[int, msgspec.Meta(ge=-1, le=255)]
     offset: U64
@@ -133,12 +160,28 @@ class PiecesRef(msgspec.Struct, frozen=True):
     pieces: list[Piece] = msgspec.field(default_factory=list)
 
 
+class LandedRef(msgspec.Struct, frozen=True):
+    """Any reference, the landed form included (what the backend decodes first); a
+    landed one is encoded with empty ``lent`` and ``pieces`` and its token."""
+
+    pool: Annotated[int, msgspec.Meta(ge=-3, le=255)]
+    offset: U64
+    length: U64
+    region: Region | None = None
+    metadata: bytes = b""
+    lent: list[Lent] = msgspec.field(default_factory=list)
+    pieces: list[Piece] = msgspec.field(default_factory=list)
+    landing: U64 = 0
+
+
 # _hello_decoder and _ref_decoder read the documented 1.1 forms (the blob vectors);
 # the backend reads every form with the others.
 _hello_decoder = msgspec.msgpack.Decoder(HelloInfo)
 _ref_decoder = msgspec.msgpack.Decoder(Ref)
 _pieces_hello_decoder = msgspec.msgpack.Decoder(PiecesHello)
 _pieces_ref_decoder = msgspec.msgpack.Decoder(PiecesRef)
+_landing_hello_decoder = msgspec.msgpack.Decoder(LandingHello)
+_landed_ref_decoder = msgspec.msgpack.Decoder(LandedRef)
 encode = msgspec.msgpack.Encoder().encode
 
 
@@ -169,15 +212,61 @@ def md_agent(metadata: bytes) -> str | None:
         return None
 
 
-def decode_hello(peer: PeerInfo) -> PiecesHello:
+def decode_hello(peer: PeerInfo) -> LandingHello:
     """Decode a peer's Hello info.
 
     Raises:
-        BackendError: it is malformed or too large.
+        BackendError: it is malformed or too large, or lends a landing that is not
+            host memory inside the address space.
     """
-    if len(peer.info) > MAX_METADATA:
-        raise BackendError(f"nixl hello info from {peer.name!r} is too large")
-    return decode_blob(_pieces_hello_decoder, peer.info, f"nixl hello info from {peer.name!r}")
+    where = f"nixl hello info from {peer.name!r}"
+    if len(peer.info) > 2 * MAX_METADATA:
+        raise BackendError(f"{where} is too large")
+    hello = decode_blob(_landing_hello_decoder, peer.info, where)
+    if len(hello.metadata) > MAX_METADATA:
+        raise BackendError(f"{where} is too large")
+    landing = hello.landing
+    if landing is not None and (
+        landing.region.mem != "DRAM"
+        or not landing.region.length
+        or landing.region.addr + landing.region.length > U64_MAX
+        or len(landing.metadata) > MAX_METADATA
+    ):
+        raise BackendError(f"{where} lends a landing that is not host memory of its own")
+    return hello
+
+
+def decode_hello_info(data: bytes) -> LandingHello:
+    """Decode this endpoint's own Hello info (trusted)."""
+    return _landing_hello_decoder.decode(data)
+
+
+def landed_range(
+    data: bytes, token: int, size: int, nbytes: int, peer: str
+) -> tuple[int, int] | None:
+    """Where the bytes of a landed reference from ``peer`` are in the landing lent to it
+    (``token``, ``size`` bytes; 0: none lent): ``(offset, length)``; None for a
+    reference of another form.
+
+    Raises:
+        BackendError: malformed, another landing's token, a range outside the landing.
+    """
+    where = f"nixl reference from {peer!r}"
+    ref = decode_blob(_landed_ref_decoder, data, where)
+    if ref.pool != LANDED:
+        return None
+    if ref.length != nbytes:
+        raise BackendError(f"{where} has length {ref.length} != {nbytes}")
+    if not token or ref.landing != token:
+        raise BackendError(f"{where} names landing {ref.landing}, not the one lent to it")
+    if ref.region is not None or ref.metadata or ref.lent or ref.pieces:
+        raise BackendError(f"{where} mixes its landing with a region or pieces")
+    if ref.offset + ref.length > size:
+        raise BackendError(
+            f"{where} spans [{ref.offset}, {ref.offset + ref.length}) outside its "
+            f"{size}-byte landing"
+        )
+    return ref.offset, ref.length
 
 
 def resolve(

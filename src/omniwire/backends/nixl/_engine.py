@@ -86,6 +86,13 @@ class Agent(Protocol):
         """Start READs of ``remote`` (of ``agent``) into ``local``; returns the
         transfer and its first state."""
 
+    def start_write(
+        self, local: Sequence[Desc], local_mem: str, agent: str, remote: Sequence[Desc], mem: str
+    ) -> tuple[Transfer, str]:
+        """Start WRITEs of ``local`` into ``remote`` (of ``agent``), done when the bytes
+        are there; returns the transfer and its first state. (An agent of a test may
+        lack it: the backend then lands nothing.)"""
+
     def state(self, transfer: Transfer) -> str:
         """``"DONE"``, ``"PROC"`` or an error state."""
 
@@ -294,15 +301,35 @@ class NixlAgent:
     def start_read(
         self, local: Sequence[Desc], local_mem: str, agent: str, remote: Sequence[Desc], mem: str
     ) -> tuple[Transfer, str]:
+        return self._start("READ", local, local_mem, agent, remote, mem)
+
+    def start_write(
+        self, local: Sequence[Desc], local_mem: str, agent: str, remote: Sequence[Desc], mem: str
+    ) -> tuple[Transfer, str]:
+        """A WRITE: NIXL's UCX backend flushes the endpoint after the puts, so ``DONE``
+        means the bytes are in the peer's memory."""
+        return self._start("WRITE", local, local_mem, agent, remote, mem)
+
+    def _start(
+        self,
+        op: str,
+        local: Sequence[Desc],
+        local_mem: str,
+        agent: str,
+        remote: Sequence[Desc],
+        mem: str,
+    ) -> tuple[Transfer, str]:
         nx = self._nx
-        with _nixl(f"cannot create a READ of {sum(d[1] for d in remote)} bytes from {agent!r}"):
+        where = "from" if op == "READ" else "to"
+        nbytes = sum(d[1] for d in remote)
+        with _nixl(f"cannot create a {op} of {nbytes} bytes {where} {agent!r}"):
             ldescs = nx.get_xfer_descs(list(local), local_mem)
             rdescs = nx.get_xfer_descs(list(remote), mem)
             if ldescs is None or rdescs is None:
                 raise BackendError("nixl: cannot build transfer descriptors")
-            handle = nx.initialize_xfer("READ", ldescs, rdescs, agent)
+            handle = nx.initialize_xfer(op, ldescs, rdescs, agent)
         try:
-            with _nixl(f"READ from {agent!r} failed"):
+            with _nixl(f"{op} {where} {agent!r} failed"):
                 return handle, str(nx.transfer(handle))
         except BackendError:
             self.release(handle)
@@ -321,9 +348,9 @@ class NixlAgent:
 
 
 class _Read:
-    """One READ of ``(local addr, remote addr, length)`` spans, started at once: its
-    state, and its release (always, once), shared by :func:`read` and
-    :func:`read_async`."""
+    """One READ (or, with ``write``, WRITE) of ``(local addr, remote addr, length)``
+    spans, started at once: its state, and its release (always, once), shared by
+    :func:`read` and :func:`read_async`."""
 
     def __init__(
         self,
@@ -333,14 +360,14 @@ class _Read:
         remote_agent: str,
         remote: tuple[int, str],
         what: str,
+        write: bool = False,
     ) -> None:
         ldescs = [(lo, n, local[0]) for lo, _, n in reads]
         rdescs = [(ro, n, remote[0]) for _, ro, n in reads]
         self.agent = agent
-        self.what = f"nixl: READ for {what}"
-        self.transfer, self.state = agent.start_read(
-            ldescs, local[1], remote_agent, rdescs, remote[1]
-        )
+        self.what = f"nixl: {'WRITE' if write else 'READ'} for {what}"
+        start = agent.start_write if write else agent.start_read
+        self.transfer, self.state = start(ldescs, local[1], remote_agent, rdescs, remote[1])
 
     def finished(self) -> bool:
         if self.state == "PROC":
@@ -373,10 +400,11 @@ def read(
     cancelled: Callable[[], bool] | None = None,
     *,
     spin: bool = False,
+    write: bool = False,
 ) -> None:
-    """READ each ``(local addr, remote addr, length)`` in one transfer, the local side on
-    ``local = (dev, mem)``, the remote on ``remote``; wait for it (blocking) and
-    release the transfer, always.
+    """READ (or, with ``write``, WRITE) each ``(local addr, remote addr, length)`` in
+    one transfer, the local side on ``local = (dev, mem)``, the remote on ``remote``;
+    wait for it (blocking) and release the transfer, always.
 
     Raises:
         StuckRead: it failed or was abandoned and could not be released (it may still
@@ -384,7 +412,7 @@ def read(
         TransferTimeoutError: not done within ``timeout`` (released).
         BackendError: NIXL refused or failed it, or ``cancelled()`` turned true.
     """
-    op = _Read(agent, reads, local, remote_agent, remote, what)
+    op = _Read(agent, reads, local, remote_agent, remote, what, write)
     done = False
     try:
         poll_until(op.finished, timeout=timeout, what=op.what, cancelled=cancelled, spin=spin)
@@ -404,6 +432,8 @@ async def read_async(
     timeout: float,
     what: str,
     cancelled: Callable[[], bool] | None = None,
+    *,
+    write: bool = False,
 ) -> None:
     """:func:`read` started on the event loop (creating and posting a READ only queues
     it for UCX's progress thread) and waited for by ``completions``, which wakes the
@@ -411,7 +441,7 @@ async def read_async(
 
     Raises: as :func:`read`.
     """
-    op = _Read(agent, reads, local, remote_agent, remote, what)
+    op = _Read(agent, reads, local, remote_agent, remote, what, write)
     done = False
     try:
         await completions.wait(

@@ -21,20 +21,23 @@ PAGE = 4096
 
 
 class Memory:
-    """``size`` bytes (rounded up to pages) of host memory (pre-faulted) or of GPU
-    ``dev``, registered with ``agent``. Blocking to make and to release.
+    """``size`` bytes (rounded up to pages) of host memory (pre-faulted unless
+    ``populate`` is False) or of GPU ``dev``, registered with ``agent``. Blocking to
+    make and to release.
 
     Raises:
         BackendError: it cannot be allocated or registered.
     """
 
-    def __init__(self, agent: Agent, size: int, mem: Mem, dev: int, *, partial: bool) -> None:
+    def __init__(
+        self, agent: Agent, size: int, mem: Mem, dev: int, *, partial: bool, populate: bool = True
+    ) -> None:
         size = max(PAGE, -(-size // PAGE) * PAGE)
         self.host: HostMemory | None = None
         if mem == "VRAM":
             self.tensor = torch.empty(size, dtype=torch.uint8, device=f"cuda:{dev}")
         else:
-            self.host = HostMemory(size)
+            self.host = HostMemory(size, populate=populate)
             self.tensor = self.host.tensor
         self.region = Region(self.tensor.data_ptr(), size, dev, mem)
         self.metadata = b""  # of this registration alone: for dedicated buffers
