@@ -66,7 +66,7 @@ def endpoint(args: argparse.Namespace) -> Endpoint:
         handshake_timeout=args.rejoin,
         digest=args.digest,
         backend_options=(
-            {"mooncake": {"landing_size": args.landing_size}}
+            {engine: {"landing_size": args.landing_size} for engine in ("mooncake", "nixl")}
             if args.landing_size is not None
             else None
         ),
@@ -176,7 +176,7 @@ def main() -> int:
     p.add_argument("--lend", action="store_true", help="send(..., lend=True)")
     p.add_argument("--reuse", action="store_true", help="send: one buffer for every object")
     p.add_argument(
-        "--landing-size", type=int, default=None, help="mooncake: bytes lent to each peer"
+        "--landing-size", type=int, default=None, help="mooncake, nixl: bytes lent to each peer"
     )
     p.add_argument(
         "--no-verify", dest="verify", action="store_false", help="recv: do not compare the bytes"

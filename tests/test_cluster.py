@@ -188,11 +188,11 @@ def start_pair(
     once, on a fixed port, the first mooncake transfer after a heal stalled until
     the ACK timeout in 4 of 26 runs of the partition case, and in none of 10 this
     way: not understood yet, see the closing note of the namespace-hosts issue.)
-    ``landing=False``: mooncake lends no landing, so every object is read by the
-    receiver (an object in flight is one announced and not yet ACKed)."""
+    ``landing=False``: mooncake and nixl lend no landing, so every object is read by
+    the receiver (an object in flight is one announced and not yet ACKed)."""
     sender, receiver = cluster["c"], cluster["b"]
     common = ["--backends", f"local,shm,{engine}", "--peer-timeout", str(PEER_TIMEOUT)]
-    if engine == "mooncake" and not landing:
+    if engine in ("mooncake", "nixl") and not landing:
         common += ["--landing-size", "0"]
     route = [] if engine == "mooncake" else ["--route", engine]
     recv = Side(receiver, "recv", "--name", "r", "--address", f"tcp://{receiver.ip}:0",
