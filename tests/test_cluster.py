@@ -255,19 +255,21 @@ def test_a_partition_mid_transfer_fails_in_bounded_time_and_heals(
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("engine", ["mooncake", "nixl"])
 def test_a_partition_mid_landing_fails_the_send_in_bounded_time_and_heals(
-    cluster: Cluster,
+    cluster: Cluster, engine: str
 ) -> None:
     """Link down while an object is being written into the receiver's landing
-    (mooncake's push, spec §9.4; the send call is in the write): the send fails as
+    (push, spec §9.4, §9.5; the send call is in the write): the send fails as
     lost/unresponsive within peer_timeout + a bound, never announced, so never
     delivered; nothing is delivered twice; the peers make a new session by themselves
     once the link is back, and later sends succeed (landed, or read where the
     abandoned write's range is kept out of use)."""
     cluster["c"].set_rate("200mbit")  # 8 MiB takes ~0.35 s on the wire
     # two 8 MiB objects fit the 16 MiB landing: object 1 lands while 0 is still held
+    require_backend(engine)
     extra = ["--size", str(8 << 20), "--count", "4", "--settle", "8"]
-    send, recv, sender, _ = start_pair(cluster, "mooncake", *extra)
+    send, recv, sender, _ = start_pair(cluster, engine, *extra)
     try:
         first = send.expect(lambda m: m.get("i") == 0, 30)
         assert first["ok"] and first["outcome"] == "landed", first
