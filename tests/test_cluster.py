@@ -436,32 +436,38 @@ def test_the_namespace_bench_sets_each_engine_beside_its_bare_engine_and_a_contr
     raw zmq.asyncio peer all run in the second host (its own namespaces, made and
     removed by the bench), so every baseline crosses the same veth as omniwire;
     the control round trip (a raw zmq.asyncio round trip of a DataReady-sized
-    message between the hosts) is measured beside them; the rows' objects land."""
+    message between the hosts) bounds each row the receiver reads (``--landing-size
+    0``); rows whose objects land are set beside the bare engine's writes."""
     del cluster  # only for its skip: the bench makes its own two hosts
     before = _namespaces()
-    out = tmp_path / "ns.json"
-    done = subprocess.run(
-        [sys.executable, "-m", "omniwire.cli", "bench", "--namespaces", "--backends", "mooncake",
-         "--sizes", "64K", "--iters", "5", "--json", str(out)],
-        timeout=220, capture_output=True, text=True, env=clean_env(),
-    )  # fmt: skip
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    table = json.loads(out.read_text())["table"]
-    other = re.search(r"<Host b (198\.1[89]\.[0-9.]+) ", done.stdout)
-    assert other is not None, done.stdout[:500]
-    assert table["zmq_peer"].startswith(f"tcp://{other.group(1)}:")
-    control = table["control_rtt_us"]
-    assert control > 0
-    assert table["zmq_rtt_us"]["65536"] > 0
-    rows = {r["mode"]: r for r in table["rows"]}
-    assert set(rows) == {"copy", "lent"}
-    for r in rows.values():
-        # each lands in the peer's landing (spec §9.4): no control round trip bounds it,
-        # and the row says how long the ACK took too
-        assert r["raw_gbps"] > 0 and r["landed"] == 1.0 and r["bound"] is None, r
-        assert 0 < r["acked_gbps"] <= r["oneway_gbps"], r
-    assert "round trip of a control message (512 B)" in done.stdout
-    assert "×raw  bound" in done.stdout
+    for landing in ("16M", "0"):  # the default: objects land; 0: the receiver reads
+        out = tmp_path / f"ns-{landing}.json"
+        done = subprocess.run(
+            [sys.executable, "-m", "omniwire.cli", "bench", "--namespaces", "--backends",
+             "mooncake", "--sizes", "64K", "--iters", "5", "--json", str(out),
+             "--landing-size", landing],
+            timeout=220, capture_output=True, text=True, env=clean_env(),
+        )  # fmt: skip
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        table = json.loads(out.read_text())["table"]
+        other = re.search(r"<Host b (198\.1[89]\.[0-9.]+) ", done.stdout)
+        assert other is not None, done.stdout[:500]
+        assert table["zmq_peer"].startswith(f"tcp://{other.group(1)}:")
+        control = table["control_rtt_us"]
+        assert control > 0
+        assert table["zmq_rtt_us"]["65536"] > 0
+        rows = {r["mode"]: r for r in table["rows"]}
+        assert set(rows) == {"copy", "lent"}
+        for r in rows.values():
+            assert r["raw_gbps"] > 0 and 0 < r["acked_gbps"] <= r["oneway_gbps"], r
+            if landing == "0":  # read: beside the bare reads, bounded by a round trip
+                assert r["landed"] == 0.0 and r["raw_op"] == "read", r
+                raw_s = 65536 / (r["raw_gbps"] * 1e9)
+                assert abs(r["bound"] - raw_s / (raw_s + control / 1e6)) < 1e-6
+            else:  # landed (spec §9.4): beside the bare writes, no round trip in it
+                assert r["landed"] == 1.0 and r["raw_op"] == "write" and r["bound"] is None, r
+        assert "round trip of a control message (512 B)" in done.stdout
+        assert "×raw  bound" in done.stdout
     assert _namespaces() == before  # the bench removed the hosts it made
 
 

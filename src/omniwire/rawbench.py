@@ -130,6 +130,18 @@ class Session(abc.ABC):
                 raise BackendError(f"{type(self).__name__}: {size} bytes arrived corrupted")
         return elapsed
 
+    #: Whether :meth:`write_once` moves bytes the other way (the engines that land).
+    writes: bool = False
+
+    def write_once(self, size: int) -> float:
+        """Seconds one transfer of ``size`` bytes *to* the other process takes (the
+        way a landed object moves); only where :attr:`writes`.
+
+        Raises:
+            BackendError: the engine failed.
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not write")
+
     def _refill(self, local: torch.Tensor, size: int) -> None:
         """Before a write back to the peer: ``local`` holds the pattern again where the
         first check of ``size`` zeroed it (the peer's memory must keep the pattern for
@@ -170,6 +182,8 @@ RAW_NIXL_POLL_US = 1000
 
 
 class _MooncakeSession(Session):
+    writes = True
+
     def __init__(self, max_size: int, protocol: str = "tcp") -> None:
         from .backends.mooncake._engine import read, shared_engine
         from .backends.mooncake._memory import Registered
@@ -189,15 +203,12 @@ class _MooncakeSession(Session):
             self.child.finish()
             raise
 
-    def once(self, size: int) -> float:
-        """The faster of a read and a write of ``size`` bytes (the backend reads, or
-        writes into a peer's landing)."""
-        read = super().once(size)
+    def write_once(self, size: int) -> float:
         self._refill(self.local.tensor, size)
         start = time.perf_counter()
         writes = [(self.local.addr, self.remote, size)]
         self._read(self.engine, self.session, writes, 60 + size / 100e6, write=True)
-        return min(read, time.perf_counter() - start)
+        return time.perf_counter() - start
 
     def _transfer(self, size: int) -> None:
         reads = [(self.local.addr, self.remote, size)]
@@ -231,6 +242,8 @@ def _serve_mooncake(size: int, host: str, protocol: str) -> None:
 
 
 class _NixlSession(Session):
+    writes = True
+
     def __init__(self, max_size: int) -> None:
         from .backends.nixl._engine import NixlAgent, agent_name, load_checked, read
         from .backends.nixl._memory import Memory
@@ -249,17 +262,14 @@ class _NixlSession(Session):
             self.child.finish()
             raise
 
-    def once(self, size: int) -> float:
-        """The faster of a READ and a WRITE of ``size`` bytes (the backend reads, or
-        writes into a peer's landing)."""
-        read = super().once(size)
+    def write_once(self, size: int) -> float:
         self._refill(self.memory.tensor, size)
         start = time.perf_counter()
         writes = [(self.memory.region.addr, self.remote, size)]
         local = remote = (0, "DRAM")
         timeout = 60 + size / 50e6
         self._read(self.agent, writes, local, self.peer, remote, timeout, "raw", write=True)
-        return min(read, time.perf_counter() - start)
+        return time.perf_counter() - start
 
     def _transfer(self, size: int) -> None:
         reads = [(self.memory.region.addr, self.remote, size)]

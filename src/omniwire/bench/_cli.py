@@ -47,6 +47,8 @@ class Options:
     obstructed: Sequence[int] = tuple(_table.OBSTRUCTED_SIZES)
     busy: bool = False
     quick: bool = False
+    #: mooncake's and nixl's ``landing_size`` (None: their default)
+    landing_size: int | None = None
 
 
 class _Progress:
@@ -234,6 +236,7 @@ async def run(opts: Options, results: Results) -> Results:
                         raw,
                         results,
                         progress.step,
+                        landing_size=opts.landing_size,
                     )
                 except Exception as exc:
                     results.fail("table", exc)
@@ -412,6 +415,12 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="skip the shm case of a large object behind a held 1 KiB one",
     )
+    g.add_argument(
+        "--landing-size",
+        default=None,
+        help="mooncake's and nixl's landing per peer, e.g. 0 (every object read by the "
+        "receiver) or 64M (default: the backends' own, 16M)",
+    )
     p.add_argument(
         "--namespaces",
         action="store_true",
@@ -462,6 +471,11 @@ def _options(args: argparse.Namespace, p: argparse.ArgumentParser) -> Options:
     opts.busy, opts.quick, opts.iters = args.busy, args.quick, 50 if args.quick else args.iters
     opts.raw_engines = not args.no_raw
     opts.obstructed = () if args.no_obstructed else tuple(_table.OBSTRUCTED_SIZES)
+    if args.landing_size is not None:
+        try:
+            opts.landing_size = parse_size(args.landing_size)
+        except ValueError as exc:
+            p.error(str(exc))
     if args.sizes:
         try:
             opts.sizes = [parse_size(s) for s in args.sizes.split(",")]

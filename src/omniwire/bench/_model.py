@@ -130,6 +130,9 @@ class Row:
     memcpy_gbps: float
     #: the bare engine's GB/s at this size, its transfers interleaved with this row's
     raw_gbps: float | None = None
+    #: which bare transfer ``raw_gbps`` is: ``"read"``, or ``"write"`` for a row whose
+    #: transfers landed (written into the peer)
+    raw_op: str | None = None
     #: one-way GB/s over ``raw_gbps`` (engines only)
     vs_raw: float | None = None
     #: the most ``vs_raw`` can be with one control round trip per transfer: the bare

@@ -119,7 +119,7 @@ def _table(table: Table, scenarios: dict[str, Scenario]) -> Iterator[str]:
             "the bare engine plus this (its announcement and its ACK): the bound of ×raw"
         )
     for name, figures in table.raw_engine_gbps.items():
-        yield f"  raw {name} one-way: " + ", ".join(
+        yield f"  raw {name} one-way (mean of the rows' baselines): " + ", ".join(
             f"{fmt_size(s)} {fmt_rate(g * 1e9)}" for s, g in sorted(figures.items())
         )
     head = (
@@ -217,10 +217,11 @@ def _table_targets(table: Table, shm_rows: bool) -> Iterator[str]:
                         f"; {100 * r.landed:.0f} % landed (complete without the ACK; up to the "
                         f"ACK {fmt_rate(acked * 1e9)}, {fmt_ratio(acked / (r.raw_gbps or raw))})"
                     )
+                op = f"{r.raw_op}s " if r.raw_op else ""
                 yield (
                     f"    {name} {mode} {fmt_size(s)}: {fmt_rate(r.oneway_gbps * 1e9)} one-way = "
                     f"{fmt_ratio(r.vs_raw)} the raw engine "
-                    f"({fmt_rate((r.raw_gbps or raw) * 1e9)}, interleaved with it){met}; "
+                    f"({op}{fmt_rate((r.raw_gbps or raw) * 1e9)}, interleaved with it){met}; "
                     f"{fmt_rate(r.stream_gbps * 1e9)} streamed"
                 )
     for size, (alone, behind) in sorted(table.obstructed_s.items()):

@@ -15,9 +15,10 @@ of each size and measures:
 
 Baselines from the same run: memcpy per size, a raw ``zmq.asyncio`` round trip
 per size (up to ``ZMQ_MAX``; between the two hosts with ``--namespaces``), and for
-each cross-host engine the bare engine (:mod:`omniwire.rawbench`; mooncake: the
-faster of its read and its write), its transfers interleaved one by one with the
-row's one-way transfers (``vs_raw``). With the bare engines, also the bound of
+each cross-host engine the bare engine (:mod:`omniwire.rawbench`), its transfers
+interleaved one by one with the row's one-way transfers (``vs_raw``): its reads, and
+for mooncake and nixl its writes too; a row whose transfers landed is compared with
+the bare writes, any other with the bare reads. With the bare engines, also the bound of
 ``vs_raw`` that one control round trip sets on a transfer the peer reads: it is
 announced to the peer and acknowledged back, so it takes at least the bare transfer
 plus a raw zmq round trip of ``CONTROL_BYTES``; ``bound = raw / (raw + round
@@ -64,7 +65,9 @@ OBSTRUCTED_SIZES = [33 * MiB, 64 * MiB]
 #: the raw zmq round trip is measured up to this size
 ZMQ_MAX = 64 * MiB
 
-Raw = tuple[rawbench.Session, int, list[float]]
+#: The bare engine interleaved with a row's transfers: the session, the size, and the
+#: seconds of its reads and of its writes (engines that land: mooncake, nixl).
+Raw = tuple[rawbench.Session, int, list[float], list[float]]
 
 
 def _iters(size: int, base: int) -> int:
@@ -121,8 +124,9 @@ async def _oneway(
     ep: Endpoint, peer: str, obj: Any, n: int, tag: str, lend: bool, raw: Raw | None = None
 ) -> OneWay:
     """Median seconds from ``send`` until the receipt completes, and until the ACK,
-    one object at a time; with ``raw = (session, size, times)``, each preceded by one
-    bare-engine transfer (its seconds appended to ``times``)."""
+    one object at a time; with ``raw = (session, size, reads, writes)``, each preceded
+    by one bare-engine read (its seconds appended to ``reads``) and, for an engine
+    that writes, one bare write (to ``writes``)."""
     times: list[float] = []
     acked: list[float] = []
     landed = 0
@@ -136,8 +140,10 @@ async def _oneway(
     async with anyio.create_task_group() as tg:
         for i in range(n):
             if raw is not None:
-                session, size, raw_times = raw
-                raw_times.append(await anyio.to_thread.run_sync(session.once, size))
+                session, size, raw_reads, raw_writes = raw
+                raw_reads.append(await anyio.to_thread.run_sync(session.once, size))
+                if session.writes:
+                    raw_writes.append(await anyio.to_thread.run_sync(session.write_once, size))
             start = time.perf_counter()
             r = await ep.send(peer, obj, request_id=f"{tag}{i}", lend=lend)
             await r.wait()
@@ -194,6 +200,7 @@ async def _bench_backend(
     table: Table,
     step: Callable[[str], None],
     session: rawbench.Session | None,
+    landing_size: int | None = None,
 ) -> None:
     """One row group; ``session``: the bare engine, its transfers interleaved with
     the rows' (one session serves every mode of a backend)."""
@@ -206,7 +213,11 @@ async def _bench_backend(
         (f"tcp://{place.here}:0", f"tcp://{place.there}:0") if tcp else (f"{base}-a", f"{base}-b")
     )
     biggest = max(sizes)
-    options = {"shm": {"arena_size": max(64 * MiB, 2 * biggest + 8 * MiB)}}
+    options: dict[str, dict[str, Any]] = {
+        "shm": {"arena_size": max(64 * MiB, 2 * biggest + 8 * MiB)}
+    }
+    if landing_size is not None:
+        options |= {name: {"landing_size": landing_size} for name in ("mooncake", "nixl")}
     peer_name, me = f"bench-peer-{tag}", f"bench-{tag}"
     args = ["--backends", backend, "--routes", json.dumps({me: backend})]
     args += ["--backend-options", json.dumps(options)] + (["--zero-copy"] if zero_copy else [])
@@ -227,10 +238,13 @@ async def _bench_backend(
             await ep.wait_peer(peer_name, 60)
             for size in sizes:
                 step(f"{backend} {mode} {fmt_size(size)}")
-                raw_times: list[float] = []
+                raw_reads: list[float] = []
+                raw_writes: list[float] = []
                 if session is not None:
                     await anyio.to_thread.run_sync(session.once, size)  # warm-up
-                raw = (session, size, raw_times) if session is not None else None
+                    if session.writes:
+                        await anyio.to_thread.run_sync(session.write_once, size)
+                raw = (session, size, raw_reads, raw_writes) if session is not None else None
                 p50, p99, oneway, streamed, msgs, one = await _measure(
                     ep, peer_name, size, iters, lend, raw
                 )
@@ -238,7 +252,11 @@ async def _bench_backend(
                     backend, mode, size, p50, p99, oneway, streamed, msgs, table.memcpy_gbps[size]
                 )
                 row.landed, row.acked_gbps = one.landed, size / one.acked / 1e9
+                # a row is compared with the bare engine moving bytes the way it did:
+                # written into the peer (landed), or read by it
+                raw_times = raw_writes if one.landed >= 0.5 and raw_writes else raw_reads
                 if raw_times:
+                    row.raw_op = "write" if raw_times is raw_writes else "read"
                     raw_s = statistics.median(raw_times)
                     row.raw_gbps = size / raw_s / 1e9
                     row.vs_raw = row.oneway_gbps / row.raw_gbps
@@ -327,9 +345,12 @@ async def run_table(
     zmq: RawZmq | None,
     results: Results,
     step: Callable[[str], None],
+    *,
+    landing_size: int | None = None,
 ) -> Table:
     """Measure the table into ``results.table``; a failing row group or baseline is
-    recorded in ``results.errors`` and the rest goes on."""
+    recorded in ``results.errors`` and the rest goes on. ``landing_size``: mooncake's
+    and nixl's (None: their default)."""
     table = results.table = Table()
     if zmq is not None:
         table.zmq_peer = zmq.peer_addresses[0]
@@ -361,7 +382,9 @@ async def run_table(
         try:
             for mode in modes:
                 try:
-                    await _bench_backend(backend, mode, sizes, iters, results, table, step, session)
+                    await _bench_backend(
+                        backend, mode, sizes, iters, results, table, step, session, landing_size
+                    )
                 except Exception as exc:
                     results.fail(f"table {backend} {mode}", exc)
         finally:
