@@ -130,8 +130,8 @@ class Row:
     memcpy_gbps: float
     #: the bare engine's GB/s at this size, its transfers interleaved with this row's
     raw_gbps: float | None = None
-    #: which bare transfer ``raw_gbps`` is: ``"read"``, or ``"write"`` for a row whose
-    #: transfers landed (written into the peer)
+    #: which bare transfer ``raw_gbps`` is, for the one-sided engines (mooncake, nixl):
+    #: ``"read"``, or ``"write"`` for a row whose transfers landed (written into the peer)
     raw_op: str | None = None
     #: one-way GB/s over ``raw_gbps`` (engines only)
     vs_raw: float | None = None

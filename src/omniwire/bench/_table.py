@@ -256,7 +256,8 @@ async def _bench_backend(
                 # written into the peer (landed), or read by it
                 raw_times = raw_writes if one.landed >= 0.5 and raw_writes else raw_reads
                 if raw_times:
-                    row.raw_op = "write" if raw_times is raw_writes else "read"
+                    if session is not None and session.writes:  # one-sided: say which way
+                        row.raw_op = "write" if raw_times is raw_writes else "read"
                     raw_s = statistics.median(raw_times)
                     row.raw_gbps = size / raw_s / 1e9
                     row.vs_raw = row.oneway_gbps / row.raw_gbps
