@@ -10,12 +10,20 @@ object's DataAck.
 
 from __future__ import annotations
 
+import logging
 import secrets
+from collections.abc import Awaitable, Callable
 
 from ..alloc import BuddyAllocator
+from ..errors import BackendError
 from .base import BackendBase, Export
 
-__all__ = ["LandedExport", "Lands", "new_token"]
+__all__ = ["LandedExport", "Lands", "land_into", "new_token"]
+
+log = logging.getLogger("omniwire.landing")
+
+#: ``(local address, remote address, length)`` of each write
+Writes = list[tuple[int, int, int]]
 
 
 def new_token() -> int:
@@ -62,3 +70,47 @@ class LandedExport(Export):
 
     def _release(self) -> None:
         self.lands.ranges.free(self.offset)
+
+
+async def land_into(
+    backend: BackendBase,
+    lands: Lands,
+    export: Export,
+    local: list[tuple[int, int, int]],
+    write: Callable[[Writes], Awaitable[None]],
+    ref: Callable[[int], bytes],
+    counters: dict[str, int],
+    *,
+    abandoned: Callable[[BackendError], bool],
+) -> Export | None:
+    """Write ``export`` — its bytes at ``local``, ``(at, address, length)`` per span —
+    into a free range of ``lands`` with ``write``, and return the export naming it
+    (``ref(offset)``; ``export`` is released); None when no range is free or the write
+    failed (the object is then read as before). A failure that ``abandoned`` says may
+    still land keeps its range out of use for good (see :class:`Lands`).
+
+    Counts ``landed``, ``landing_full`` and ``landing_failed`` in ``counters``.
+    """
+    nbytes = export.nbytes
+    offset = lands.ranges.allocate(nbytes)
+    if offset is None:
+        counters["landing_full"] += 1
+        return None
+    base = lands.addr + offset
+    try:
+        await write([(addr, base + at, length) for at, addr, length in local])
+    except BackendError as exc:
+        counters["landing_failed"] += 1
+        if abandoned(exc):
+            log.warning("%s: %s (read instead; its range stays out of use)", backend.name, exc)
+        else:
+            lands.ranges.free(offset)
+            log.debug("%s: %s (read instead)", backend.name, exc)
+        return None
+    except BaseException:
+        lands.ranges.free(offset)  # written (or never started): nobody names it
+        raise
+    landed = LandedExport(backend, lands, offset, nbytes, ref(offset))
+    export.release()  # in the peer's memory now: ours is free
+    counters["landed"] += 1
+    return landed

@@ -24,7 +24,7 @@ from ..base import (
     PeerInfo,
     copy_range,
 )
-from ..landing import LandedExport, Lands, new_token
+from ..landing import Lands, land_into, new_token
 from ..pool import Lease, SlotPool
 from ..support import (
     Completions,
@@ -647,32 +647,25 @@ class MooncakeBackend(ByteBackend):
         local = self._local_spans(export)
         if local is None:
             return None
-        offset = lands.ranges.allocate(nbytes)
-        if offset is None:
-            self.counters["landing_full"] += 1
-            return None
-        base = lands.addr + offset
-        writes = [(addr, base + at, length) for at, addr, length in local]
-        try:
+        session = engine.session
+
+        def ref(offset: int) -> bytes:
+            return blobs.encode(blobs.LandedRef(session, offset, nbytes, landing=lands.token))
+
+        async def write(writes: list[tuple[int, int, int]]) -> None:
             await self._write(engine, peer, lands.owner, writes, nbytes)
-        except (TransferTimeoutError, TransferAbandonedError) as exc:
-            # it may still land: the range is never handed out again (see Lands)
-            self.counters["landing_failed"] += 1
-            log.warning("mooncake: %s (announced for a read instead)", exc)
-            return None
-        except BackendError as exc:
-            lands.ranges.free(offset)
-            self.counters["landing_failed"] += 1
-            log.debug("mooncake: %s (announced for a read instead)", exc)
-            return None
-        except BaseException:
-            lands.ranges.free(offset)  # written (or never started): nobody names it
-            raise
-        ref = blobs.LandedRef(engine.session, offset, nbytes, landing=lands.token)
-        landed = LandedExport(self, lands, offset, nbytes, blobs.encode(ref))
-        export.release()  # in the peer's memory now: ours is free
-        self.counters["landed"] += 1
-        return landed
+
+        return await land_into(
+            self,
+            lands,
+            export,
+            local,
+            write,
+            ref,
+            self.counters,
+            # a write that timed out or was given up may still land
+            abandoned=lambda exc: isinstance(exc, (TransferTimeoutError, TransferAbandonedError)),
+        )
 
     def _local_spans(self, export: Export) -> list[tuple[int, int, int]] | None:
         """Where an export's bytes are in our registered memory: ``(at, address,

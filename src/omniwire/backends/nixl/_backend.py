@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterator
 from typing import ClassVar, Literal
 
 import anyio
@@ -24,7 +24,7 @@ from ..base import (
     Locality,
     PeerInfo,
 )
-from ..landing import LandedExport, Lands, new_token
+from ..landing import Lands, land_into, new_token
 from ..pool import Lease, SlotPool
 from ..support import (
     Completions,
@@ -434,6 +434,22 @@ class NixlBackend(ByteBackend):
 
     # -- helpers ---------------------------------------------------------------------------
 
+    @contextlib.contextmanager
+    def transferring(self, remote: Remote) -> Iterator[None]:
+        """One READ or WRITE in flight from or to ``remote``: a reload of the peer and
+        :meth:`aclose` wait until none is."""
+        self._active += 1
+        remote.active += 1
+        try:
+            yield
+        finally:
+            self._active -= 1
+            remote.active -= 1
+            if remote.active == 0 and remote.idle is not None:
+                remote.idle.set()
+            if self._active == 0 and self._idle is not None:
+                self._idle.set()
+
     async def _wait_idle(self, remote: Remote) -> None:
         while remote.active:
             if remote.idle is None or remote.idle.is_set():
@@ -605,29 +621,20 @@ class NixlBackend(ByteBackend):
         local = self._local_spans(export)
         if local is None:
             return None
-        offset = lands.ranges.allocate(nbytes)
-        if offset is None:
-            self.counters["landing_full"] += 1
-            return None
-        base = lands.addr + offset
-        writes = [(addr, base + at, length) for at, addr, length in local]
-        try:
+
+        def ref(offset: int) -> bytes:
+            landed = blobs.LandedRef(blobs.LANDED, offset, nbytes, landing=lands.token)
+            return blobs.encode(landed)
+
+        async def write(writes: list[tuple[int, int, int]]) -> None:
             await self._write(agent, remote, writes, nbytes)
-        except BackendError as exc:
-            # Whether a failed WRITE can still land is not known here (NIXL cancels
-            # what it releases, but a WRITE cut off by a lost peer, say, may have been
-            # on the wire): its range is never handed out again (see Lands).
-            self.counters["landing_failed"] += 1
-            log.warning("nixl: %s (announced for a READ instead)", exc)
-            return None
-        except BaseException:
-            lands.ranges.free(offset)  # written (or never started): nobody names it
-            raise
-        ref = blobs.LandedRef(blobs.LANDED, offset, nbytes, landing=lands.token)
-        landed = LandedExport(self, lands, offset, nbytes, blobs.encode(ref))
-        export.release()  # in the peer's memory now: ours is free
-        self.counters["landed"] += 1
-        return landed
+
+        # Whether a failed WRITE can still land is not known here (NIXL cancels what
+        # it releases, but a WRITE cut off by a lost peer, say, may have been on the
+        # wire): every failed one keeps its range out of use.
+        return await land_into(
+            self, lands, export, local, write, ref, self.counters, abandoned=lambda exc: True
+        )
 
     def _local_spans(self, export: Export) -> list[tuple[int, int, int]] | None:
         """Where an export's bytes are in our registered host memory: ``(at, address,
@@ -660,39 +667,34 @@ class NixlBackend(ByteBackend):
         def run() -> None:
             read(agent, writes, dram, remote.agent, dram, timeout, what, cancelled, write=True)
 
-        self._active += 1
-        remote.active += 1
-        try:
-            if remote.opened and len(writes) <= 16:
-                hops.mark("engine: submit WRITE (event loop)")
-                await read_async(
-                    agent,
-                    self._completions,
-                    writes,
-                    dram,
-                    remote.agent,
-                    dram,
-                    timeout,
-                    what,
-                    cancelled,
-                    write=True,
-                )
-            else:
-                hops.mark("engine: submit and wait WRITE (worker thread)")
-                await run_to_end(run)
-                remote.opened = True
-            hops.mark("engine: back on the loop")
-        except BackendError:
+        error: BackendError | None = None
+        with self.transferring(remote):
+            try:
+                if remote.opened and len(writes) <= 16:
+                    hops.mark("engine: submit WRITE (event loop)")
+                    await read_async(
+                        agent,
+                        self._completions,
+                        writes,
+                        dram,
+                        remote.agent,
+                        dram,
+                        timeout,
+                        what,
+                        cancelled,
+                        write=True,
+                    )
+                else:
+                    hops.mark("engine: submit and wait WRITE (worker thread)")
+                    await run_to_end(run)
+                    remote.opened = True
+                hops.mark("engine: back on the loop")
+            except BackendError as exc:
+                error = exc
+        if error is not None:  # (a reload waits for transfers in flight: this one ended)
             remote.opened = False
             await self._recover(remote)
-            raise
-        finally:
-            self._active -= 1
-            remote.active -= 1
-            if remote.active == 0 and remote.idle is not None:
-                remote.idle.set()
-            if self._active == 0 and self._idle is not None:
-                self._idle.set()
+            raise error
 
     # -- receiver --------------------------------------------------------------------------
 

@@ -160,17 +160,11 @@ class PiecesRef(msgspec.Struct, frozen=True):
     pieces: list[Piece] = msgspec.field(default_factory=list)
 
 
-class LandedRef(msgspec.Struct, frozen=True):
+class LandedRef(PiecesRef, frozen=True):
     """Any reference, the landed form included (what the backend decodes first); a
     landed one is encoded with empty ``lent`` and ``pieces`` and its token."""
 
     pool: Annotated[int, msgspec.Meta(ge=-3, le=255)]
-    offset: U64
-    length: U64
-    region: Region | None = None
-    metadata: bytes = b""
-    lent: list[Lent] = msgspec.field(default_factory=list)
-    pieces: list[Piece] = msgspec.field(default_factory=list)
     landing: U64 = 0
 
 

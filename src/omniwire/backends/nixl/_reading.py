@@ -183,26 +183,18 @@ class SpanImport(Import):
                 dest[lo:hi].copy_(self._landing_view()[lo:hi])
 
         error: BackendError | None = None
-        nx._active += 1
-        remote.active += 1
-        try:
-            if on_loop:
-                hops.mark("engine: submit (event loop)")
-                await run_now()
-            else:
-                hops.mark("engine: submit and wait (worker thread)")
-                await run_to_end(run)  # cancelled, still waits: the READ writes dest
-                remote.opened = True
-            hops.mark("engine: back on the loop")
-        except BackendError as exc:
-            error = exc
-        finally:
-            nx._active -= 1
-            remote.active -= 1
-            if remote.active == 0 and remote.idle is not None:
-                remote.idle.set()
-            if nx._active == 0 and nx._idle is not None:
-                nx._idle.set()
+        with nx.transferring(remote):
+            try:
+                if on_loop:
+                    hops.mark("engine: submit (event loop)")
+                    await run_now()
+                else:
+                    hops.mark("engine: submit and wait (worker thread)")
+                    await run_to_end(run)  # cancelled, still waits: the READ writes dest
+                    remote.opened = True
+                hops.mark("engine: back on the loop")
+            except BackendError as exc:
+                error = exc
         if error is None:
             nx.counters["reads"] += 1
             nx.counters["dest_registrations"] += register
