@@ -64,6 +64,16 @@ async def _packed(a: Any, peer_b: PeerInfo, data: torch.Tensor) -> Export:
     return out
 
 
+async def _read_back(b: Any, peer_a: PeerInfo, out: Export, data: torch.Tensor) -> None:
+    """The receiver reads the export (as without a landing) and gets ``data``."""
+    imp = await b.import_(peer_a, out.ref, data.numel())
+    dest = torch.empty_like(data)
+    await imp.fetch(0, data.numel(), dest)
+    assert torch.equal(dest, data)
+    imp.close()
+    out.release()
+
+
 @pytest.mark.asyncio
 async def test_a_packed_object_lands_in_the_receivers_memory_and_the_receiver_reads_nothing() -> (
     None
@@ -111,12 +121,7 @@ async def test_an_object_the_landing_cannot_hold_is_left_for_a_read() -> None:
         out = await _packed(a, peer_b, data)
         assert await a.land(peer_b, out) is None
         assert not out.released and a.stats().detail["landing_full"] == 1
-        imp = await b.import_(peer_a, out.ref, data.numel())  # the pull path, as before
-        dest = torch.empty_like(data)
-        await imp.fetch(0, data.numel(), dest)
-        assert torch.equal(dest, data)
-        imp.close()
-        out.release()
+        await _read_back(b, peer_a, out, data)  # the pull path, as before
 
 
 @pytest.mark.asyncio
@@ -171,12 +176,7 @@ async def test_a_failed_write_frees_its_range_and_leaves_the_object_for_a_read()
         assert await a.land(peer_b, out) is None
         assert not out.released and a._lands["b"].ranges.allocations == 0
         assert a.stats().detail["landing_failed"] == 1
-        imp = await b.import_(peer_a, out.ref, data.numel())
-        dest = torch.empty_like(data)
-        await imp.fetch(0, data.numel(), dest)
-        assert torch.equal(dest, data)
-        imp.close()
-        out.release()
+        await _read_back(b, peer_a, out, data)
 
 
 @pytest.mark.asyncio

@@ -18,12 +18,19 @@ from ..alloc import BuddyAllocator
 from ..errors import BackendError
 from .base import BackendBase, Export
 
-__all__ = ["LandedExport", "Lands", "land_into", "new_token"]
+__all__ = ["LandedExport", "Lands", "counters", "land_into", "new_token"]
 
 log = logging.getLogger("omniwire.landing")
 
 #: ``(local address, remote address, length)`` of each write
 Writes = list[tuple[int, int, int]]
+
+
+def counters() -> dict[str, int]:
+    """A backend's landing counters, zero: objects it wrote into a peer's landing,
+    objects peers wrote into its own, objects read instead because no range was free
+    or because the write failed."""
+    return {"landed": 0, "landed_in": 0, "landing_full": 0, "landing_failed": 0}
 
 
 def new_token() -> int:

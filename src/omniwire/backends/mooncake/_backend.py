@@ -13,6 +13,7 @@ import torch
 
 from ... import hops
 from ...errors import BackendClosedError, BackendError
+from .. import landing
 from ..base import (
     Availability,
     BackendContext,
@@ -317,8 +318,8 @@ class MooncakeBackend(ByteBackend):
             inline = (64 << 20) if self.protocol == "tcp" else 0
             self.register_inline = int(opts.get("register_inline", inline))
             # tcp registers without pinning: a landing's pages are touched as objects land
-            landing = (16 << 20) if self.protocol == "tcp" else 0
-            self.landing_size = int(opts.get("landing_size", landing))
+            lent = (16 << 20) if self.protocol == "tcp" else 0
+            self.landing_size = int(opts.get("landing_size", lent))
             self.landing_peers = int(opts.get("landing_peers", 64))
         except (TypeError, ValueError) as exc:
             raise BackendError(f"mooncake: bad options {dict(opts)!r}: {exc}") from None
@@ -370,10 +371,7 @@ class MooncakeBackend(ByteBackend):
             "bytes_read": 0,
             "lent": 0,
             "recv_pool_refused": 0,
-            "landed": 0,  # objects we wrote into a peer's landing
-            "landed_in": 0,  # objects peers wrote into ours
-            "landing_full": 0,  # objects announced for a read: no free range
-            "landing_failed": 0,  # writes that failed (announced for a read instead)
+            **landing.counters(),
         }
 
     # -- lifecycle ---------------------------------------------------------------------

@@ -14,6 +14,7 @@ import torch
 
 from ... import hops
 from ...errors import BackendClosedError, BackendError
+from .. import landing
 from ..base import (
     Availability,
     BackendContext,
@@ -181,10 +182,7 @@ class NixlBackend(ByteBackend):
             "dest_registrations": 0,
             "lent": 0,
             "recv_pool_refused": 0,
-            "landed": 0,  # objects we wrote into a peer's landing
-            "landed_in": 0,  # objects peers wrote into ours
-            "landing_full": 0,  # objects announced for a READ: no free range
-            "landing_failed": 0,  # WRITEs that failed (announced for a READ instead)
+            **landing.counters(),
         }
 
     @classmethod
