@@ -82,7 +82,8 @@ async def test_a_packed_object_lands_in_the_receivers_memory_and_the_receiver_re
         data = torch.randint(0, 256, (300_000,), dtype=torch.uint8)
         out = await _packed(a, peer_b, data)
         landed = await a.land(peer_b, out)
-        assert landed is not None and out.released  # our pool slot is free already
+        assert landed is not None and not out.released  # the caller releases it
+        out.release()  # (the endpoint does, at once: the peer no longer needs it)
         assert a.stats().detail["pool_bytes_in_use"] == 0
         imp = await b.import_(peer_a, landed.ref, data.numel())
         assert torch.equal(imp.buffer, data)
@@ -106,7 +107,8 @@ async def test_lent_tensors_land_piece_by_piece_where_the_packed_layout_puts_the
         out = await a.export_tensors(peer_b, tensors, lent=True)
         assert out is not None
         landed = await a.land(peer_b, out)
-        assert landed is not None and out.released  # the caller's tensors are free again
+        assert landed is not None
+        out.release()  # the caller's tensors are free again
         imp = await b.import_(peer_a, landed.ref, plan.nbytes)
         got = packing.unpack(imp.buffer, plan.metas, copy=True)
         assert all(torch.equal(g, t) for g, t in zip(got, tensors, strict=True))
@@ -349,3 +351,33 @@ async def test_a_nixl_write_that_fails_leaves_the_object_for_a_read_and_its_rang
         assert b.backend("nixl").stats().detail["reads"] == 1
         lands = a.backend("nixl")._lands[b.name]  # type: ignore[attr-defined]
         assert lands.ranges.allocations == 1  # kept out of use
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("engine", ENGINES)
+async def test_a_tensor_born_in_transport_memory_lands_and_may_be_written_again(
+    engine: str,
+) -> None:
+    """``Endpoint.empty()``: the tensor is a slot of the engine's pool; sent, it is
+    written from there into the peer's landing (no pack, nothing registered), its
+    receipt completes then, and the buffer may be refilled and sent again while the
+    first delivery is still held."""
+    async with _endpoints(engine, zero_copy=True) as (a, b):
+        with anyio.fail_after(30):
+            buf = await a.empty(b.name, (1 << 16,))
+            buf.tensor.fill_(1.0)
+            first = await a.send(b.name, buf.tensor, request_id="b1")
+            await buf.settled()
+            assert first.outcome == "landed"
+            buf.tensor.fill_(2.0)  # allowed: the bytes are in the peer's memory
+            second = await a.send(b.name, buf.tensor, request_id="b2")
+            await second.wait()
+            d1, d2 = await b.receive(), await b.receive()
+            assert bool((d1.payload == 1.0).all()) and bool((d2.payload == 2.0).all())
+            d1.release()
+            d2.release()
+            assert [await r.settled() for r in (first, second)] == ["delivered"] * 2
+            buf.release()
+        detail = a.backend(engine).stats().detail
+        assert detail["landed"] == 2 and a.backend(engine).stats().idle
+        assert b.backend(engine).stats().detail["reads"] == 0

@@ -401,9 +401,10 @@ class ByteBackend(BackendBase):
     async def land(self, peer: PeerInfo, export: Export) -> Export | None:
         """Move a complete export's bytes into memory ``peer`` lent this endpoint for
         that (a *landing*), before its announcement; return the export that replaces
-        ``export`` (its reference names the landed bytes; ``export`` is released), or
-        None: announce ``export`` as it is (the default; also when the landing is full
-        or the write failed).
+        ``export`` (its reference names the landed bytes; the caller then releases
+        ``export``, whose memory the peer no longer needs), or None: announce
+        ``export`` as it is (the default; also when the landing is full or the write
+        failed).
 
         An object that landed is in the receiver's memory when this returns: its
         receipt completes then, without waiting for the ACK (which frees the landing).

@@ -92,8 +92,8 @@ async def land_into(
 ) -> Export | None:
     """Write ``export`` — its bytes at ``local``, ``(at, address, length)`` per span —
     into a free range of ``lands`` with ``write``, and return the export naming it
-    (``ref(offset)``; ``export`` is released); None when no range is free or the write
-    failed (the object is then read as before). A failure that ``abandoned`` says may
+    (``ref(offset)``; the caller releases ``export``); None when no range is free or
+    the write failed (the object is then read as before). A failure that ``abandoned`` says may
     still land keeps its range out of use for good (see :class:`Lands`).
 
     Counts ``landed``, ``landing_full`` and ``landing_failed`` in ``counters``.
@@ -117,7 +117,5 @@ async def land_into(
     except BaseException:
         lands.ranges.free(offset)  # written (or never started): nobody names it
         raise
-    landed = LandedExport(backend, lands, offset, nbytes, ref(offset))
-    export.release()  # in the peer's memory now: ours is free
     counters["landed"] += 1
-    return landed
+    return LandedExport(backend, lands, offset, nbytes, ref(offset))

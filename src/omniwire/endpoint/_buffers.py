@@ -125,8 +125,9 @@ class TransportBuffer:
         return sum(1 for r in self._receipts if not r.done())
 
     async def settled(self, timeout: float | None = None) -> None:
-        """Wait until every send of it was acknowledged or failed (then it may be
-        written again). Raises ``TimeoutError`` after ``timeout`` seconds."""
+        """Wait until every send of it completed — was acknowledged, or landed in the
+        peer's memory — or failed (then it may be written again). Raises
+        ``TimeoutError`` after ``timeout`` seconds."""
         with anyio.fail_after(timeout):
             for receipt in list(self._receipts):
                 with contextlib.suppress(OmniwireError):  # failed: nobody reads it now

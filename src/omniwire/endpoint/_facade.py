@@ -319,8 +319,9 @@ class Endpoint(Receiving):
 
         On one host it is a slot of this endpoint's shm arena (the receiver's
         zero-copy delivery is a view of it, a copy-mode delivery one copy); through
-        mooncake or nixl a slot of the engine's registered pool (read in place,
-        nothing registered per send); through another engine that reads lent memory
+        mooncake or nixl a slot of the engine's registered pool (written from there
+        into the peer's landing, or read in place; nothing registered per send);
+        through another engine that reads lent memory
         in place it is ordinary memory, lent on every send. Send the tensor itself
         (``ep.send(target, buf.tensor, ...)``, or ``{"name": buf.tensor}``); write to it
         only when no send of it is in flight (``await buf.settled()``); give it back

@@ -23,7 +23,7 @@ import msgspec
 import torch
 
 from .. import codec, hops, hostinfo, packing, wire
-from ..backends.base import ByteBackend, ObjectBackend
+from ..backends.base import ByteBackend, Export, ObjectBackend
 from ..delivery import SendReceipt
 from ..digest import digest_of_async
 from ..errors import (
@@ -473,15 +473,21 @@ class Sender:
                 )
                 if record.export.buffer is not None:
                     core.counters["bytes_packed"] += nbytes  # packed by now, or piece by piece
-                if points[0] == nbytes and record.export.layout == "packed":
-                    # written into the peer's landing: its receipt completes when announced
-                    moved = await backend.land(info, record.export)
-                    if moved is not None:
-                        record.export, landed = moved, True
-            else:  # a fan-out packed it once: this target reads the same buffer
+            else:  # a fan-out packed it once, or a transport buffer: one buffer for all
                 record.export = shared.share()
                 points = [nbytes]
             assert record.export is not None
+            if (
+                points[0] == nbytes
+                and record.export.layout == "packed"
+                and isinstance(backend, ByteBackend)
+            ):  # written into the peer's landing: its receipt completes when announced
+                source = shared.export if shared is not None else record.export
+                assert isinstance(source, Export)
+                moved = await backend.land(info, source)
+                if moved is not None:
+                    replaced, record.export, landed = record.export, moved, True
+                    replaced.release()  # (a share: the others still read the buffer)
             hops.mark("send: export ready (packed or registered)")
             digest = None
             hello = peer.hello

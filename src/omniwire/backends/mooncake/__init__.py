@@ -37,10 +37,11 @@ tensors) is free as soon as the write ends, and the send's receipt completes the
 trip is no longer on the sender's path (1 MiB lent between two namespace hosts,
 one-way: 0.48–0.75 GB/s read by the receiver, 1.14–1.19 GB/s landed; the bare
 engine writes 1 MiB at 1.7–2.0 GB/s there). The write's submit runs on the event loop
-while the session is warm (``WARM_S``), else in a worker thread. The receiver reads nothing: it copies out
-of the landing (copy mode) or delivers views of it (zero-copy) and ACKs as always.
-An object the landing cannot hold now, a progressive one or a fan-out is read as
-below; a write that fails leaves the object for a read, and one that is abandoned
+while the session is warm (``WARM_S``), else in a worker thread. The receiver reads
+nothing: it copies out of the landing (copy mode) or delivers views of it
+(zero-copy) and ACKs as always. A fan-out's objects, and a tensor born in the pool
+(``Endpoint.empty()``), land one by one from the one slot. An object the landing
+cannot hold now, or a progressive one, is read as below; a write that fails leaves the object for a read, and one that is abandoned
 (timeout, peer lost) keeps its range out of use for as long as the peer's landing
 is the same (a peer that reconnects after a partition keeps it).
 
