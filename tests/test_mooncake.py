@@ -821,13 +821,17 @@ def test_the_tcp_slice_follows_the_interface_that_holds_the_engines_address() ->
 
 
 @asynccontextmanager
-async def _hosts(n: int, zero_copy: bool = False) -> AsyncIterator[tuple[Endpoint, list[Endpoint]]]:
-    """A sender and ``n`` receivers, each told apart as another host, every edge mooncake."""
+async def _hosts(
+    n: int, zero_copy: bool = False, receiver_options: dict[str, dict[str, Any]] | None = None
+) -> AsyncIterator[tuple[Endpoint, list[Endpoint]]]:
+    """A sender and ``n`` receivers, each told apart as another host, every edge mooncake
+    (``receiver_options``: the receivers' mooncake options, added to a small pool)."""
     require_backend("mooncake")
     tag = secrets.token_hex(3)
     a_name = f"sh-a-{tag}"
     names = [f"sh-b{i}-{tag}" for i in range(n)]
     opts = {"mooncake": {"pool_size": 8 << 20}}
+    mine = {"mooncake": {**opts["mooncake"], **(receiver_options or {}).get("mooncake", {})}}
     receivers = [
         Endpoint(
             name,
@@ -836,7 +840,7 @@ async def _hosts(n: int, zero_copy: bool = False) -> AsyncIterator[tuple[Endpoin
             routes={a_name: "mooncake"},
             host_id=f"host-{name}",
             zero_copy=zero_copy,
-            backend_options=opts,
+            backend_options=mine,
         )
         for name in names
     ]
@@ -864,14 +868,15 @@ async def _hosts(n: int, zero_copy: bool = False) -> AsyncIterator[tuple[Endpoin
 @pytest.mark.asyncio
 async def test_a_born_tensor_is_a_slot_of_the_registered_pool_and_sent_in_place() -> None:
     """``Endpoint.empty()`` on a mooncake route is a slot of the registered pool: a send
-    of it packs nothing, lends nothing (no registration of its own), and the slot goes
-    back when the buffer is released."""
+    of it packs nothing, lends nothing (no registration of its own) — it is written
+    from the slot into the peer's landing — and the slot goes back when the buffer is
+    released."""
     async with _hosts(1) as (a, (b,)):
         mc = a.backend("mooncake")
         buf = await a.empty(b.name, (1 << 18,), torch.int32)
         assert buf.backend == "mooncake"
         exports, packed = mc.stats().exports, a.counters["bytes_packed"]
-        lent = mc.counters["lent"]
+        lent, landed = mc.counters["lent"], mc.counters["landed"]
         for i in range(3):  # refilled after each receipt
             want = pattern(1 << 20).view(torch.int32) + i
             buf.tensor.copy_(want)
@@ -882,6 +887,8 @@ async def test_a_born_tensor_is_a_slot_of_the_registered_pool_and_sent_in_place(
                 d.release()
                 await receipt.wait()
                 await buf.settled(30)
+                assert await receipt.settled(30) == "delivered"  # its range freed too
+        assert mc.counters["landed"] - landed == 3
         assert mc.stats().exports == exports  # no slot was packed for the sends
         assert a.counters["bytes_packed"] == packed
         assert mc.counters["lent"] == lent  # nothing lent: no registration of its own
@@ -890,21 +897,26 @@ async def test_a_born_tensor_is_a_slot_of_the_registered_pool_and_sent_in_place(
 
 
 @pytest.mark.asyncio
-async def test_a_fan_out_to_two_mooncake_peers_packs_one_buffer_both_read() -> None:
-    async with _hosts(2) as (a, receivers):
-        mc = a.backend("mooncake")
-        t = pattern(1 << 20)
-        packed = a.counters["bytes_packed"]
-        with anyio.fail_after(30):
-            receipts = await a.send([r.name for r in receivers], {"t": t}, request_id="f")
-            for r in receivers:
-                d = await r.receive()
-                assert d.backend == "mooncake" and torch.equal(d.payload["t"], t)
-                d.release()
-            for receipt in receipts:
-                await receipt.wait()
-        assert a.counters["bytes_packed"] - packed == t.nbytes  # once, not per target
-        assert mc.stats().exports == 0  # released with the last ACK
+async def test_a_fan_out_to_two_mooncake_peers_packs_one_buffer_for_both() -> None:
+    """One pack; each target's object is written from that buffer into its landing
+    (``landing_size=0`` on the receivers: both read the one buffer instead)."""
+    for landing in (True, False):
+        options = None if landing else {"mooncake": {"landing_size": 0}}
+        async with _hosts(2, receiver_options=options) as (a, receivers):
+            mc = a.backend("mooncake")
+            t = pattern(1 << 20)
+            packed, landed = a.counters["bytes_packed"], mc.counters["landed"]
+            with anyio.fail_after(30):
+                receipts = await a.send([r.name for r in receivers], {"t": t}, request_id="f")
+                for r in receivers:
+                    d = await r.receive()
+                    assert d.backend == "mooncake" and torch.equal(d.payload["t"], t)
+                    d.release()
+                outcomes = [await receipt.settled() for receipt in receipts]
+            assert outcomes == ["delivered", "delivered"]
+            assert a.counters["bytes_packed"] - packed == t.nbytes  # once, not per target
+            assert mc.counters["landed"] - landed == (2 if landing else 0)
+            assert mc.stats().exports == 0  # released with the last ACK
 
 
 @pytest.mark.asyncio
