@@ -753,16 +753,7 @@ async def test_garbage_sent_to_our_abort_socket_hurts_nobody() -> None:
                 await raw.send(secrets.token_bytes(1 + i % 64).replace(b"\x01", b"\x02", 1))
                 await raw.send_multipart([b"\x07junk", b"\x01part"])
             await raw.send(b"\x01" + bytes(4096))  # over the limit: the connection ends
-            heard: wire.AbortMessage | None = None
-            for i in range(200):  # bounded: a broadcast every 50 ms until one is heard
-                await ep.abort(f"after{i}")
-                with contextlib.suppress(TimeoutError):
-                    with anyio.fail_after(0.05):
-                        msg = wire.decode(await honest.recv())
-                        assert isinstance(msg, wire.AbortMessage)
-                        heard = msg
-                if heard is not None:
-                    break
+            heard = await _hear_a_broadcast(ep, honest)
             assert heard is not None, "no broadcast abort was heard after the garbage"
             assert ep._core.control.abort_renewals == 0
             assert ep._core.control._aborts._topics <= {b"", b"part"}
@@ -770,6 +761,18 @@ async def test_garbage_sent_to_our_abort_socket_hurts_nobody() -> None:
             for sock in (honest, raw):
                 sock.close(0)
             ctx.term()
+
+
+async def _hear_a_broadcast(ep: Endpoint, honest: Any) -> wire.AbortMessage | None:
+    """Broadcast an abort every 50 ms (at most 200) until ``honest`` (a SUB) hears one."""
+    for i in range(200):
+        await ep.abort(f"after{i}")
+        with contextlib.suppress(TimeoutError):
+            with anyio.fail_after(0.05):
+                msg = wire.decode(await honest.recv())
+                assert isinstance(msg, wire.AbortMessage)
+                return msg
+    return None
 
 
 async def test_our_abort_broadcast_reaches_subscribers_again_after_a_topic_flood() -> None:
@@ -790,16 +793,7 @@ async def test_our_abort_broadcast_reaches_subscribers_again_after_a_topic_flood
                 while not ep._core.control.abort_renewals:
                     await anyio.sleep(0.05)
             flood.close(0)
-            heard: wire.AbortMessage | None = None
-            for i in range(200):  # bounded: a broadcast every 50 ms until one is heard
-                await ep.abort(f"after{i}")
-                with contextlib.suppress(TimeoutError):
-                    with anyio.fail_after(0.05):
-                        msg = wire.decode(await honest.recv())
-                        assert isinstance(msg, wire.AbortMessage)
-                        heard = msg
-                if heard is not None:
-                    break
+            heard = await _hear_a_broadcast(ep, honest)
             assert heard is not None, "no broadcast abort was heard after the flood"
             assert heard.request_id.startswith("after")
         finally:

@@ -505,7 +505,9 @@ class MooncakeBackend(ByteBackend):
         still writes into it or a zero-copy view still reads it. What it lent us is
         kept while a range of it is held (see :class:`Lands`).
         """
-        self._peers.pop(peer.key, None)
+        hello = self._peers.pop(peer.key, None)
+        if hello is not None:
+            self._warm.pop(hello.session, None)  # (one entry per live session, no more)
         lands = self._lands.get(peer.name)
         if lands is not None and lands.key == peer.key and not lands.ranges.allocations:
             del self._lands[peer.name]

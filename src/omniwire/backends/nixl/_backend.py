@@ -161,6 +161,7 @@ class NixlBackend(ByteBackend):
         self._agent: Agent | None = None
         self._pools: list[_Pool] = []
         self._info = b""
+        self._hello = blobs.PiecesHello("", b"", [])  # what _info encodes, once started
         self._releaser = Releaser("omniwire-nixl")
         self._registrations: RegistrationCache[LentRegistration] | None = None
         #: Copy-mode receive buffers, registered once per block (delivery_buffer).
@@ -225,11 +226,10 @@ class NixlBackend(ByteBackend):
             _close_started((agent, pools, metadata))
             raise BackendClosedError("nixl backend is closed")
         self._pools = pools
-        self._info = blobs.encode(
-            blobs.PiecesHello(
-                self.agent_name, metadata, [p.memory.region for p in pools], pieces=True
-            )
+        self._hello = blobs.PiecesHello(
+            self.agent_name, metadata, [p.memory.region for p in pools], pieces=True
         )
+        self._info = blobs.encode(self._hello)
         self._registrations = registration_cache(agent, self._releaser, self.register_inline)
         if self.recv_pool_idle > 0:
             self._recv_pool = recv_pool(agent, self._releaser, self.recv_pool_idle)
@@ -276,7 +276,7 @@ class NixlBackend(ByteBackend):
         landing = self._landing_for(peer)
         if landing is None:
             return self._info
-        hello = blobs.decode_hello_info(self._info)
+        hello = self._hello
         return blobs.encode(
             blobs.LandingHello(
                 hello.agent, hello.metadata, hello.pools, pieces=True, landing=landing.info

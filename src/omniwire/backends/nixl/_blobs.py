@@ -65,7 +65,6 @@ __all__ = [
     "Region",
     "Span",
     "decode_hello",
-    "decode_hello_info",
     "encode",
     "landed_range",
     "md_agent",
@@ -228,11 +227,6 @@ def decode_hello(peer: PeerInfo) -> LandingHello:
     ):
         raise BackendError(f"{where} lends a landing that is not host memory of its own")
     return hello
-
-
-def decode_hello_info(data: bytes) -> LandingHello:
-    """Decode this endpoint's own Hello info (trusted)."""
-    return _landing_hello_decoder.decode(data)
 
 
 def landed_range(
