@@ -381,3 +381,27 @@ async def test_a_tensor_born_in_transport_memory_lands_and_may_be_written_again(
         detail = a.backend(engine).stats().detail
         assert detail["landed"] == 2 and a.backend(engine).stats().idle
         assert b.backend(engine).stats().detail["reads"] == 0
+
+
+@pytest.mark.parametrize(
+    ("landing", "why"),
+    [
+        ([0, 0, 7], "empty"),  # no bytes
+        ([2**64 - 4096, 8192, 7], "address space"),  # past the end of the address space
+        ([4096, 4096, 0], "malformed"),  # token 0 names no landing
+    ],
+    ids=["empty", "past-the-end", "token-0"],
+)
+def test_a_hello_lending_a_bad_landing_is_refused_with_a_clear_error(
+    landing: list[int], why: str
+) -> None:
+    """A peer's Hello info with a landing that cannot be memory of its own: decoding
+    it is a BackendError (the endpoint then routes around the backend for that peer),
+    never a write into it."""
+    info = blobs.encode(
+        {"session": "10.0.0.1:15002", "protocol": "tcp", "pool_addr": 0, "pool_size": 0}
+        | {"pieces": True, "landing": landing}
+    )
+    peer = PeerInfo("bad", 1, 1, "h", "t", Locality.CROSS_HOST, info)
+    with pytest.raises(BackendError, match=why):
+        blobs.decode_hello(peer, "tcp")
