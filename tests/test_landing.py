@@ -298,6 +298,31 @@ async def test_a_landed_object_the_receiver_refuses_settles_as_refused(engine: s
 
 @pytest.mark.asyncio
 @pytest.mark.parametrize("engine", ENGINES)
+async def test_by_default_two_64_mib_lent_objects_land_back_to_back(engine: str) -> None:
+    """With the default options a peer lends a landing with room for two 64 MiB
+    objects: the second lands while the first's range is still held (the receiver
+    holds its zero-copy delivery), and both arrive bit-exact. (A 64 MiB object the
+    receiver READs takes nixl twice as long as one it is written: issue 21's bench.)"""
+    async with _endpoints(engine, zero_copy=True) as (a, b):
+        g = torch.Generator().manual_seed(21)
+        sent = [torch.randint(0, 256, (64 << 20,), dtype=torch.uint8, generator=g) for _ in "ab"]
+        with anyio.fail_after(60):
+            receipts = []
+            for i, t in enumerate(sent):
+                receipts.append(await a.send(b.name, t, request_id=f"big{i}", lend=True))
+                await receipts[-1].wait()
+            assert [r.outcome for r in receipts] == ["landed", "landed"]
+            for t in sent:
+                d = await b.receive()
+                assert torch.equal(d.payload, t)
+                d.release()
+            assert [await r.settled() for r in receipts] == ["delivered", "delivered"]
+        assert a.backend(engine).stats().detail["landed"] == 2
+        assert b.backend(engine).stats().detail["reads"] == 0
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("engine", ENGINES)
 async def test_objects_the_landing_cannot_hold_now_are_read_and_all_arrive_in_order(
     engine: str,
 ) -> None:

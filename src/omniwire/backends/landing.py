@@ -18,9 +18,25 @@ from ..alloc import BuddyAllocator
 from ..errors import BackendError
 from .base import BackendBase, Export
 
-__all__ = ["LandedExport", "Lands", "counters", "land_into", "new_token"]
+__all__ = [
+    "LANDING_PEERS",
+    "LANDING_SIZE",
+    "LandedExport",
+    "Lands",
+    "counters",
+    "land_into",
+    "new_token",
+]
 
 log = logging.getLogger("omniwire.landing")
+
+#: Bytes a receiver lends each peer by default: two 64 MiB objects in flight (one
+#: landing while the last one's ACK is on its way). Not pre-faulted: a landing's pages
+#: become resident as objects land (the most ranges held at once), and stay so.
+LANDING_SIZE = 128 << 20
+#: How many peers get a landing by default (at most ``LANDING_PEERS * LANDING_SIZE``
+#: bytes of landings, 2 GiB); later peers' objects are read.
+LANDING_PEERS = 16
 
 #: ``(local address, remote address, length)`` of each write
 Writes = list[tuple[int, int, int]]

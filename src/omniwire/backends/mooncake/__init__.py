@@ -25,9 +25,9 @@ as fast). Each read has its own batch id. The ACK frees the slot.
 
 **Landings** (push, spec §9.4): each backend lends every peer it writes a Hello to
 (:meth:`MooncakeBackend.hello_to`) a *landing* of ``landing_size`` bytes of its
-memory (16 MiB on tcp by default, not pre-faulted: tcp registers it without
-pinning, in microseconds, on the loop; 0 on rdma, where it would pin; none past
-``landing_peers`` peers), registered once and kept until ``aclose()``. A sender
+memory (128 MiB on tcp by default, room for two 64 MiB objects; not pre-faulted:
+tcp registers it without pinning, in microseconds, on the loop; 0 on rdma, where
+it would pin; none past ``landing_peers`` peers, 16 by default), registered once and kept until ``aclose()``. A sender
 whose peer lent one writes a complete object there (:meth:`MooncakeBackend.land`:
 one ``batch_transfer_async_write`` per span — the pool slot, or each lent piece —
 submitted and watched as reads are) before it announces it, in a range it allots
@@ -102,8 +102,8 @@ default: the host of the endpoint's address, 127.0.0.1 for ``ipc://`` and
 up to this size is registered on the event loop rather than in a worker thread;
 default 64 MiB on tcp, where that takes 4–76 µs against 0.4–0.6 ms for the thread
 hop on 2 loaded cores, and 0 on rdma, where registering pins pages);
-``landing_size`` (bytes lent to each peer for landed objects; default 16 MiB on
-tcp, 0 on rdma; 0: none), ``landing_peers`` (how many peers get one, default 64);
+``landing_size`` (bytes lent to each peer for landed objects; default 128 MiB on
+tcp, 0 on rdma; 0: none), ``landing_peers`` (how many peers get one, default 16);
 ``timeout`` (seconds a single read may take before it is abandoned; default 60,
 plus 1 s per 100 MB); ``engine`` (an :class:`Engine` object to use instead).
 

@@ -25,7 +25,7 @@ from ..base import (
     PeerInfo,
     copy_range,
 )
-from ..landing import Lands, land_into, new_token
+from ..landing import LANDING_PEERS, LANDING_SIZE, Lands, land_into, new_token
 from ..pool import Lease, SlotPool
 from ..support import (
     Completions,
@@ -318,9 +318,9 @@ class MooncakeBackend(ByteBackend):
             inline = (64 << 20) if self.protocol == "tcp" else 0
             self.register_inline = int(opts.get("register_inline", inline))
             # tcp registers without pinning: a landing's pages are touched as objects land
-            lent = (16 << 20) if self.protocol == "tcp" else 0
+            lent = LANDING_SIZE if self.protocol == "tcp" else 0
             self.landing_size = int(opts.get("landing_size", lent))
-            self.landing_peers = int(opts.get("landing_peers", 64))
+            self.landing_peers = int(opts.get("landing_peers", LANDING_PEERS))
         except (TypeError, ValueError) as exc:
             raise BackendError(f"mooncake: bad options {dict(opts)!r}: {exc}") from None
         if (

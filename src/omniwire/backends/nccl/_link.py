@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ... import hops
 from ...errors import BackendError
 from ..base import Locality, PeerInfo
 from ._blobs import MAX_TAG, PiecesHello
@@ -268,6 +269,7 @@ class Link:
         pg = self.gloo()
         for i, t in enumerate(o.tensors):
             o.works.append((pg.send([t], self.peer, o.tag + i), t))
+        hops.mark("engine: send posted")
         o.posted = True
         if o.freed:
             self.reap(o)
@@ -294,6 +296,7 @@ class Link:
         assert h.target is not None
         pg = self.gloo()
         h.works = [pg.recv([buf], self.peer, tag) for buf, tag in h.messages(h.target)]
+        hops.mark("engine: receive posted")
         self._queue("recv", recv_loop).put(h)
 
     def receive(self, h: Inbound, target: torch.Tensor | None) -> None:

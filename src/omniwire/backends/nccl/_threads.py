@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ... import hops
 from ...errors import BackendError
 from ._engine import Work, engine_error, header
 from ._objects import CTL_TAG, Header, Inbound, Outbound
@@ -44,6 +45,7 @@ def reap_loop(link: Link, q: queue.SimpleQueue[Any]) -> None:
                 link.fail(engine_error(f"send to {link.pair.name!r} failed", exc))
                 break
         else:
+            hops.mark("engine: send ended (reaper thread)")
             link.backend.counters["sends_completed"] += 1
         with link.lock:
             link.idle_reapers += 1
@@ -63,6 +65,7 @@ def recv_loop(link: Link, q: queue.SimpleQueue[Any]) -> None:
         except Exception as exc:
             link.fail(engine_error(f"receive from {link.pair.name!r} failed", exc))
             continue
+        hops.mark("engine: receive ended (worker thread)")
         link.backend.counters["bytes_received"] += h.nbytes
         link.complete(h, None)
 

@@ -31,8 +31,8 @@ the object was taken from omniwire's ACK, so reads carry no NIXL notification.
 
 **Landings** (push, spec §9.5; shared with mooncake, :mod:`omniwire.backends.landing`):
 each backend lends every peer it writes a Hello to a *landing* of ``landing_size``
-bytes of host memory (16 MiB by default, not pre-faulted, registered on the loop in
-tens of microseconds; none past ``landing_peers`` peers), announced with its
+bytes of host memory (128 MiB by default, not pre-faulted, registered on the loop in
+tens of microseconds; none past ``landing_peers`` peers, 16 by default), announced with its
 partial metadata. The peer loads that metadata once (it stays loaded through a
 reload) and WRITEs a complete object there before announcing it, in one transfer
 from its pool slot or its lent tensors: NIXL's UCX backend flushes the endpoint
@@ -77,8 +77,8 @@ the current device), ``register_dest_min`` (bytes, default 256 KiB),
 registered on the event loop rather than in a worker thread, default 4 MiB; measured
 with UCX over tcp: ~50 µs for 1 MiB, ~200 µs for 16 MiB), ``timeout``
 (seconds one read may take, default 30 plus 1 s per 50 MB), ``landing_size`` (bytes
-lent to each peer for landed objects, default 16 MiB; 0: none), ``landing_peers``
-(how many peers get one, default 64), ``agent_factory`` (a
+lent to each peer for landed objects, default 128 MiB; 0: none), ``landing_peers``
+(how many peers get one, default 16), ``agent_factory`` (a
 callable returning an :class:`Agent` for a name, instead of a NIXL agent).
 
 Environment: UCX reads ``UCX_*`` variables (tests pin ``UCX_NET_DEVICES=lo``);

@@ -25,7 +25,7 @@ from ..base import (
     Locality,
     PeerInfo,
 )
-from ..landing import Lands, land_into, new_token
+from ..landing import LANDING_PEERS, LANDING_SIZE, Lands, land_into, new_token
 from ..pool import Lease, SlotPool
 from ..support import (
     Completions,
@@ -148,8 +148,8 @@ class NixlBackend(ByteBackend):
             self.register_inline = int(opts.get("register_inline", 4 << 20))
             timeout = opts.get("timeout")
             self._timeout = float(timeout) if timeout is not None else None
-            self.landing_size = int(opts.get("landing_size", 16 << 20))
-            self.landing_peers = int(opts.get("landing_peers", 64))
+            self.landing_size = int(opts.get("landing_size", LANDING_SIZE))
+            self.landing_peers = int(opts.get("landing_peers", LANDING_PEERS))
         except (TypeError, ValueError) as exc:
             raise BackendError(f"nixl: bad options {dict(opts)!r}: {exc}") from None
         if self.landing_size < 0 or self.landing_peers < 0:
