@@ -2,9 +2,10 @@
 hosts, beside the bare pieces between the same hosts (needs root).
 
     sudo python scripts/timeline.py [--backend mooncake] [--size 1M] [--count 40] [--lend]
-        [--hops] [--no-verify] [--reuse]
+        [--hops] [--no-verify] [--reuse] [--gap S]
 
-Sends ``--count`` objects one after another (each awaited to its ACK) from host a
+Sends ``--count`` objects one after another (each awaited until its receipt
+completes: its ACK, or its landing) from host a
 to host b with ``tests/cluster_peer.py`` and prints the medians of: the ``send()``
 call (pack and announce), send → the receiver's application has it, send → ACK
 back at the sender; beside a raw pyzmq one-way message between the same hosts
@@ -17,7 +18,10 @@ object's marks are those between its first mark and the next object's).
 ``--no-verify``: the receiver does not compare the bytes (the comparison of object
 *i* runs while object *i+1* arrives, on the same 2 cores). ``--reuse``: one send
 buffer, refilled for each object (a lent buffer is then registered once, as in
-``omniwire bench``); without it each object is a fresh tensor.
+``omniwire bench``); without it each object is a fresh tensor. ``--gap S``: S
+seconds between sends, so that a landed object's ACK and the receiver's work on
+it are done before the next one starts (as between ``omniwire bench``'s sends,
+which its bare-engine transfers separate).
 """
 
 from __future__ import annotations
@@ -64,6 +68,9 @@ def main() -> int:
     p.add_argument("--hops", action="store_true", help="the median time to each hop")
     p.add_argument("--no-verify", dest="verify", action="store_false")
     p.add_argument("--reuse", action="store_true", help="one send buffer (lent: registered once)")
+    p.add_argument("--gap", type=float, default=0.0,
+                   help="seconds between sends (e.g. 0.005: each object alone, its ACK and "
+                        "the receiver's work done before the next send)")  # fmt: skip
     args = p.parse_args()
     size = int(args.size[:-1]) << {"K": 10, "M": 20}[args.size[-1]]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -104,7 +111,8 @@ def main() -> int:
         sent = a.run([*env_of(a), sys.executable, str(PEER), "send", "--name", "s", "--address",
                       f"tcp://{a.ip}:0", "--peer", f"r={address}", "--size", str(size),
                       "--count", str(args.count), "--settle", "1", *common,
-                      *(["--lend"] if args.lend else []), *(["--reuse"] if args.reuse else [])],
+                      *(["--lend"] if args.lend else []), *(["--reuse"] if args.reuse else []),
+                      "--gap", str(args.gap)],
                      capture_output=True, text=True, env=peer_env, timeout=600)  # fmt: skip
         recv.terminate()
         recv.wait(30)
