@@ -4,7 +4,8 @@ receiver reads, or the sender writes into the receiver's landing.
 Files: ``_blobs`` (Hello info and references, validated), ``_engine`` (the raw
 engine calls behind the :class:`Engine` seam, one engine per process),
 ``_memory`` (registered memory: the pool's region and dedicated buffers, the
-lent tensors' registration cache), ``_backend`` (the backend and its handles).
+lent tensors' registration cache), ``_reading`` (the receiver's import: reads of the
+peer's spans), ``_backend`` (the backend, its exports, landings and writes).
 
 Each backend registers one **pool** of host memory with the engine, once, and
 carves it into slots with the shared slot pool (:mod:`omniwire.backends.pool`);
