@@ -14,6 +14,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from omniwire.alloc import BuddyAllocator
 from omniwire.backends.completion import Pace
 from omniwire.backends.pool import Lease, SlotPool
 from omniwire.backends.support import (
@@ -203,6 +204,25 @@ def test_slots_never_overlap(ops: list[tuple[str, int]]) -> None:
     for x in live:
         x.release()
     assert pool.bytes_in_use == 0
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["take", "free"]), st.integers(1, 40_000)), max_size=60))
+def test_fits_says_whether_allocate_would_find_a_block(ops: list[tuple[str, int]]) -> None:
+    """``BuddyAllocator.fits`` (a landing's room, asked before packing an object whole)
+    is true exactly when ``allocate`` of the same size then succeeds."""
+    ranges = BuddyAllocator(3 << 15, min_block=4096)  # not a power of two: 2 top blocks
+    live: list[int] = []
+    for op, n in ops:
+        if op == "take":
+            expected = ranges.fits(n)
+            offset = ranges.allocate(n)
+            assert (offset is not None) == expected, (n, live)
+            if offset is not None:
+                live.append(offset)
+        elif live:
+            ranges.free(live.pop(n % len(live)))
+    assert not ranges.fits((3 << 15) + 1)
 
 
 def test_poll_until_times_out_cancels_and_propagates() -> None:

@@ -42,6 +42,11 @@ class BuddyAllocator:
         """The size of the block ``allocate(nbytes)`` would return."""
         return self.min_block << self._order(nbytes)
 
+    def fits(self, nbytes: int) -> bool:
+        """Whether :meth:`allocate` of ``nbytes`` would find a block now."""
+        order = self._order(nbytes)
+        return any(self._free[k] for k in range(order, self.max_order + 1))
+
     def allocate(self, nbytes: int) -> int | None:
         """Return the offset of a free block of at least ``nbytes``, or None if none fits."""
         order = self._order(nbytes)

@@ -398,6 +398,13 @@ class ByteBackend(BackendBase):
         """
         return None
 
+    def can_land(self, peer: PeerInfo, nbytes: int) -> bool:
+        """Whether :meth:`land` would find room now for an object of ``nbytes`` to
+        ``peer`` (cheap, synchronous). The endpoint then packs an object larger than
+        its ``progressive_chunk`` whole, to land it, instead of announcing it in pieces
+        for the peer to read. The default: False."""
+        return False
+
     async def land(self, peer: PeerInfo, export: Export) -> Export | None:
         """Move a complete export's bytes into memory ``peer`` lent this endpoint for
         that (a *landing*), before its announcement; return the export that replaces

@@ -469,7 +469,12 @@ class Sender:
             elif shared is None:
                 assert isinstance(backend, ByteBackend)
                 record.export, points = await export_bytes(
-                    backend, info, enc.tensors, layout, lend=lend, piece=self._piece(peer, backend)
+                    backend,
+                    info,
+                    enc.tensors,
+                    layout,
+                    lend=lend,
+                    piece=self._piece(peer, backend, info, nbytes),
                 )
                 if record.export.buffer is not None:
                     core.counters["bytes_packed"] += nbytes  # packed by now, or piece by piece
@@ -601,14 +606,24 @@ class Sender:
                 )
         record.credits = credits
 
-    def _piece(self, peer: Peer, backend: ByteBackend) -> int:
-        """The progressive piece size for ``peer`` on ``backend`` (0: in one piece)."""
+    def _piece(self, peer: Peer, backend: ByteBackend, info: Any, nbytes: int) -> int:
+        """The progressive piece size of an object of ``nbytes`` for ``peer`` on
+        ``backend`` (0: in one piece)."""
         hello = peer.hello
-        if not type(backend).capabilities.progressive or (
-            "zero_copy" in (hello.features if hello else ())
+        chunk = self.core.config.progressive_chunk
+        if (
+            not chunk
+            or nbytes <= chunk
+            or not type(backend).capabilities.progressive
+            or "zero_copy" in (hello.features if hello else ())
         ):  # a zero-copy receiver copies nothing: announcing in pieces buys nothing
             return 0
-        return self.core.config.progressive_chunk
+        if backend.can_land(info, nbytes):
+            # packed whole and written into the peer's landing: between two namespace
+            # hosts a 64 MiB object went 2.4x faster with nixl (its WRITE beats its
+            # READ) and no slower with mooncake than read in pieces
+            return 0
+        return chunk
 
     def _check_peer(self, peer: Peer, record: OutRecord) -> None:
         if peer.status is not PeerStatus.READY or peer.generation != record.generation:

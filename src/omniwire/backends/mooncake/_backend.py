@@ -442,6 +442,17 @@ class MooncakeBackend(ByteBackend):
             [(p.at, p.addr, p.nbytes) for p in pieces],
         )
 
+    def can_land(self, peer: PeerInfo, nbytes: int) -> bool:
+        lands = self._lands.get(peer.name)
+        return (
+            lands is not None
+            and lands.key == peer.key
+            and nbytes > 0
+            and self._engine is not None
+            and hasattr(self._engine, "submit_write")
+            and lands.ranges.fits(nbytes)
+        )
+
     async def land(self, peer: PeerInfo, export: Export) -> Export | None:
         """Write the export's bytes into the landing ``peer`` lent us, with one batch
         write from where they are (a pool slot, a dedicated buffer, the lent tensors);

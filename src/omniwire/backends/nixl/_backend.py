@@ -598,6 +598,20 @@ class NixlBackend(ByteBackend):
         spans = [(p.at, p.addr, p.nbytes) for p in pieces]
         return LentExport(self, nbytes, ref, self.registrations, keys, tensors, spans)
 
+    def can_land(self, peer: PeerInfo, nbytes: int) -> bool:
+        lands = self._lands.get(peer.name)
+        remote = self._remotes.get(peer.key)
+        return (
+            lands is not None
+            and remote is not None
+            and remote.alive
+            and lands.key == peer.key
+            and nbytes > 0
+            and self._agent is not None
+            and hasattr(self._agent, "start_write")
+            and lands.ranges.fits(nbytes)
+        )
+
     async def land(self, peer: PeerInfo, export: Export) -> Export | None:
         """WRITE the export's bytes into the landing ``peer`` lent us, in one transfer
         from where they are (a pool slot, a dedicated buffer, the lent tensors); None
