@@ -442,28 +442,29 @@ class MooncakeBackend(ByteBackend):
             [(p.at, p.addr, p.nbytes) for p in pieces],
         )
 
-    def can_land(self, peer: PeerInfo, nbytes: int) -> bool:
+    def _lands_for(self, peer: PeerInfo, nbytes: int) -> Lands | None:
+        """The landing ``peer``'s session lent us, if an object of ``nbytes`` may be
+        written there (not whether a range is free)."""
         lands = self._lands.get(peer.name)
-        return (
-            lands is not None
-            and lands.key == peer.key
-            and nbytes > 0
-            and self._engine is not None
-            and hasattr(self._engine, "submit_write")
-            and lands.ranges.fits(nbytes)
-        )
+        if lands is None or lands.key != peer.key or not nbytes:
+            return None
+        if not hasattr(self._engine, "submit_write"):
+            return None  # none yet, or an engine of the caller's that only reads
+        return lands
+
+    def can_land(self, peer: PeerInfo, nbytes: int) -> bool:
+        lands = self._lands_for(peer, nbytes)
+        return lands is not None and lands.ranges.fits(nbytes)
 
     async def land(self, peer: PeerInfo, export: Export) -> Export | None:
         """Write the export's bytes into the landing ``peer`` lent us, with one batch
         write from where they are (a pool slot, a dedicated buffer, the lent tensors);
         None when it lent none, none of its ranges is free, or the write failed."""
         engine = self._check_open()
-        lands = self._lands.get(peer.name)
         nbytes = export.nbytes
-        if lands is None or lands.key != peer.key or not nbytes or export.released:
+        lands = self._lands_for(peer, nbytes)
+        if lands is None or export.released:
             return None
-        if not hasattr(engine, "submit_write"):
-            return None  # an engine of the caller's that only reads
         local = self._local_spans(export)
         if local is None:
             return None

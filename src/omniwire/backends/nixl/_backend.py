@@ -598,37 +598,30 @@ class NixlBackend(ByteBackend):
         spans = [(p.at, p.addr, p.nbytes) for p in pieces]
         return LentExport(self, nbytes, ref, self.registrations, keys, tensors, spans)
 
-    def can_land(self, peer: PeerInfo, nbytes: int) -> bool:
+    def _lands_for(self, peer: PeerInfo, nbytes: int) -> Lands | None:
+        """The landing ``peer``'s session lent us, if an object of ``nbytes`` may be
+        written there (not whether a range is free)."""
         lands = self._lands.get(peer.name)
         remote = self._remotes.get(peer.key)
-        return (
-            lands is not None
-            and remote is not None
-            and remote.alive
-            and lands.key == peer.key
-            and nbytes > 0
-            and self._agent is not None
-            and hasattr(self._agent, "start_write")
-            and lands.ranges.fits(nbytes)
-        )
+        if lands is None or remote is None or lands.key != peer.key or not remote.alive:
+            return None
+        if not nbytes or not hasattr(self._agent, "start_write"):
+            return None
+        return lands
+
+    def can_land(self, peer: PeerInfo, nbytes: int) -> bool:
+        lands = self._lands_for(peer, nbytes)
+        return lands is not None and lands.ranges.fits(nbytes)
 
     async def land(self, peer: PeerInfo, export: Export) -> Export | None:
         """WRITE the export's bytes into the landing ``peer`` lent us, in one transfer
         from where they are (a pool slot, a dedicated buffer, the lent tensors); None
         when it lent none, none of its ranges is free, or the WRITE failed."""
         agent = self._live_agent()
-        lands = self._lands.get(peer.name)
-        remote = self._remotes.get(peer.key)
         nbytes = export.nbytes
-        if (
-            lands is None
-            or remote is None
-            or lands.key != peer.key
-            or not remote.alive
-            or not nbytes
-            or export.released
-            or not hasattr(agent, "start_write")
-        ):
+        lands = self._lands_for(peer, nbytes)
+        remote = self._remotes.get(peer.key)
+        if lands is None or remote is None or export.released:
             return None
         local = self._local_spans(export)
         if local is None:
