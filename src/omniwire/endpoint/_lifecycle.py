@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 import threading
 import time
 from typing import TYPE_CHECKING
 
 import anyio
-import sniffio
 
 from ..addresses import parse_address
 from ..backends.base import BackendContext
@@ -63,14 +63,9 @@ class Lifecycle:
         core = self._core
         if core.state is not State.NEW:
             raise OmniwireError(f"endpoint {core.name!r} was already started")
-        library = sniffio.current_async_library()
-        if library != "asyncio":
-            raise ConfigurationError(
-                f"omniwire runs on asyncio (pyzmq's asyncio sockets), not {library!r}: run it "
-                "with asyncio.run(...) or anyio.run(..., backend='asyncio')"
-            )
+        running = _running_asyncio_loop()
         core.state = State.OPEN
-        core.loop = asyncio.get_running_loop()
+        core.loop = running
         core.loop_thread = threading.get_ident()
         try:
             await core.control.start()
@@ -176,3 +171,19 @@ def _host_of(address: str) -> str:
     """The host peers dial this endpoint at (ipc:// means this host: loopback)."""
     parsed = parse_address(address)
     return parsed.host.strip("[]") if parsed.scheme == "tcp" and parsed.host else "127.0.0.1"
+
+
+def _running_asyncio_loop() -> asyncio.AbstractEventLoop:
+    """The asyncio loop running this task (uvloop's included); a clear error under any
+    other async library (trio: anyio.run(..., backend="trio"))."""
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        pass
+    trio = sys.modules.get("trio")  # loaded if it runs this task; never imported here
+    in_trio = trio is not None and getattr(trio.lowlevel, "in_trio_run", lambda: True)()
+    library = "trio" if in_trio else "another library"
+    raise ConfigurationError(
+        f"omniwire runs on asyncio (pyzmq's asyncio sockets), not {library}: run it "
+        "with asyncio.run(...), uvloop.run(...) or anyio.run(..., backend='asyncio')"
+    )
