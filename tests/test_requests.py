@@ -273,3 +273,35 @@ async def test_a_stream_collected_unclosed_wakes_the_consumers_waiting() -> None
                 while not got:
                     await anyio.sleep(0.02)
         assert got == ["r1"]
+
+
+async def test_an_abort_ends_the_aborting_sides_own_consumers_of_the_request() -> None:
+    """Was: after ``a.abort(rid)``, ``a``'s own ``deliveries(request_id=rid)`` got no
+    ``aborted`` delivery and no end: ``async for`` waited for ever (only the peers that
+    heard the abort ended theirs). Now every consumer of the request ends — one reading
+    when the abort is made, and one that comes after it — and no one else gets it."""
+    async with pair() as (a, b):
+        replies = a.deliveries(request_id="r", from_stage="b")
+        await (await a.send("b", {"x": 1}, request_id="r")).wait(10)
+        got: list[Delivery] = []
+        with anyio.fail_after(10):
+            d = await b.receive(request_id="r")
+            await d.stream_reply(torch.ones(2))
+
+            async def consume() -> None:
+                async for x in replies:
+                    got.append(x)
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(consume)
+                while not got:
+                    await anyio.sleep(0.01)
+                await a.abort("r", "its client went away")
+        assert [x.kind for x in got] == ["stream_chunk", "aborted"]
+        assert (got[-1].from_stage, got[-1].error) == ("a", "its client went away")
+        assert replies.ended
+        with anyio.fail_after(10):  # a consumer that comes after the abort ends as well
+            assert [x.kind async for x in a.deliveries(request_id="r")] == ["aborted"]
+            assert (await a.receive(request_id="r")).kind == "aborted"
+        with pytest.raises(TimeoutError):  # and nothing of it reaches anyone else
+            await a.receive(timeout=0.2)

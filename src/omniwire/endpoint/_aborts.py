@@ -51,7 +51,7 @@ class Aborts:
 
     def __init__(self, memory: int = ABORT_MEMORY) -> None:
         self.memory = memory
-        self._aborted: OrderedDict[str, str] = OrderedDict()  # request id -> why (origin: reason)
+        self._aborted: OrderedDict[str, tuple[str, str]] = OrderedDict()  # id -> (origin, reason)
         self._aborted_bytes = 0
         #: request id -> the peers that saw it, the least recently active first
         self._peers_of: OrderedDict[str, set[str]] = OrderedDict()
@@ -105,19 +105,27 @@ class Aborts:
         aborted = self._aborted
         first = request_id not in aborted
         if first:
-            why = f"by {_clip(origin, 64)!r}" + (f": {_clip(reason, _WHY_CHARS)}" if reason else "")
+            why = (_clip(origin, 64), _clip(reason, _WHY_CHARS))
             aborted[request_id] = why
-            self._aborted_bytes += len(request_id) + len(why)
+            self._aborted_bytes += len(request_id) + len(why[0]) + len(why[1])
         aborted.move_to_end(request_id)
         while len(aborted) > self.memory or self._aborted_bytes > ABORT_MEMORY_BYTES:
-            rid, why = aborted.popitem(last=False)
-            self._aborted_bytes -= len(rid) + len(why)
+            rid, (old_origin, old_reason) = aborted.popitem(last=False)
+            self._aborted_bytes -= len(rid) + len(old_origin) + len(old_reason)
         return first
+
+    def why(self, request_id: str) -> tuple[str, str] | None:
+        """``(origin, reason)`` of the request's abort (both clipped), or None if it is
+        not aborted (or forgotten)."""
+        return self._aborted.get(request_id)
 
     def error(self, request_id: str) -> RequestAbortedError:
         """The error a send of an aborted request raises, naming who aborted it and why."""
-        why = self._aborted.get(request_id, "")
-        return RequestAbortedError(f"request {request_id!r} was aborted {why}".rstrip())
+        why = self._aborted.get(request_id)
+        text = f"request {request_id!r} was aborted"
+        if why is not None:
+            text += f" by {why[0]!r}" + (f": {why[1]}" if why[1] else "")
+        return RequestAbortedError(text)
 
     def note_peer(self, request_id: str, peer: str) -> None:
         """``peer`` has seen ``request_id``: we sent it data of it, or it sent us some.

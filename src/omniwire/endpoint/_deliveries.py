@@ -465,6 +465,10 @@ class Deliveries:
         holds = self._holds.get(d.request_id)
         return holds is not None and (None in holds or d.from_stage in holds or d.kind == "aborted")
 
+    def ends_queued(self, request_id: str) -> bool:
+        """Whether a delivery that ends ``request_id``'s streams (``TERMINAL``) is queued."""
+        return any(d.kind in TERMINAL for d in self._by_request.get(request_id, {}).values())
+
     def wanted(self, request_id: str) -> bool:
         """Whether a consumer holds or waits for ``request_id``."""
         return request_id in self._holds or request_id in self._scoped

@@ -297,9 +297,7 @@ class Dispatcher:
         )
         core.aborts.cancel_request(request_id, error)
         self.sender.on_abort(request_id, error)
-        self.receiver.on_abort(
-            request_id, origin, reason, notify=first and via is not None, via=via or ""
-        )
+        self.receiver.on_abort(request_id, origin, reason, notify=first, via=via)
         if not first:
             return
         msg = wire.AbortMessage(

@@ -456,7 +456,9 @@ class Endpoint(Receiving):
         """Abort ``request_id`` everywhere: pending sends fail wherever they wait,
         in-flight buffers are released on both sides, data of it that arrives later
         is refused, and every peer that has seen it here — sent data of it, or sent us
-        some — hears of it directly and passes it on through the pipeline."""
+        some — hears of it directly and passes it on through the pipeline. Here, as
+        there, every consumer of the request (``deliveries(request_id=…)``,
+        ``receive(request_id=…)``, now or later) gets an ``aborted`` delivery and ends."""
         self._core.check_open()
         self._dispatch.abort(request_id, self.name, reason, via=None)
 

@@ -570,12 +570,14 @@ class Receiver:
     # -- aborts, loss, close -------------------------------------------------------------
 
     def on_abort(
-        self, request_id: str, origin: str, reason: str, *, notify: bool, via: str = ""
+        self, request_id: str, origin: str, reason: str, *, notify: bool, via: str | None = ""
     ) -> None:
         """Drop everything of the request. The ``aborted`` delivery (when ``notify``) is
-        made only where the request was seen — data of it sent or received here, or a
-        consumer holding it: an abort of a request never seen here costs nothing but
-        its remembered id (so its late data is still refused)."""
+        made only where a consumer holds or waits for the request, or, for a peer's
+        abort (``via``: the peer it came from; None: our own), where the request was seen — data of it
+        sent or received here: an abort of a request never seen here costs nothing but
+        its remembered id (so its late data is still refused). A consumer that comes
+        for the request later gets its own (``Receiving``)."""
         seen = self.core.aborts.seen(request_id)
         for name in self.core.aborts.involved(request_id):  # only they sent us any of it
             peer = self.peers.get(name)
@@ -591,9 +593,13 @@ class Receiver:
                 peer.current_take[1].cancel()
             peer.open_streams.pop(request_id, None)
         self.deliveries.drop(request_id)  # zero-copy ones NACK "aborted"
-        if notify and (seen or self.deliveries.wanted(request_id)):
-            aborted = Delivery("aborted", request_id, origin, error=reason or None, via=via)
-            self._deliver(aborted, notice=True)
+        if notify and (self.deliveries.wanted(request_id) or (seen and via is not None)):
+            self.notice_abort(request_id, origin, reason, via or "")
+
+    def notice_abort(self, request_id: str, origin: str, reason: str, via: str = "") -> None:
+        """Queue the ``aborted`` delivery of ``request_id`` (a notice: it holds nothing)."""
+        aborted = Delivery("aborted", request_id, origin, error=reason or None, via=via)
+        self._deliver(aborted, notice=True)
 
     def on_peer_gone(
         self, peer: Peer, records: list[InRecord], cause: str, error: PeerLostError

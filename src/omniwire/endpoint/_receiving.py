@@ -44,6 +44,8 @@ class Receiving:
             TimeoutError: nothing arrived within ``timeout`` seconds.
             EndpointNotStartedError, EndpointClosedError.
         """
+        if request_id is not None:
+            self._ended_already(request_id)
         return await self._receiver.deliveries.receive(timeout, request_id, from_stage)
 
     def deliveries(
@@ -55,7 +57,8 @@ class Receiving:
         deliveries (from ``from_stage``, if given) go to this stream, in arrival
         order, and to no unscoped consumer; it ends after the request's
         ``stream_end``, ``error`` or ``aborted`` delivery, when closed, or when the
-        endpoint closes. Any number of streams may be read at once, each in its
+        endpoint closes. An abort ends it wherever it was made, here too: a stream
+        (or ``receive``) of a request already aborted gets its ``aborted`` delivery. Any number of streams may be read at once, each in its
         own task: nothing is lost or reordered, and what arrives for a request
         before its stream exists waits for it. Without ``request_id`` it yields
         every delivery of a request nobody holds, until the endpoint closes.
@@ -69,7 +72,18 @@ class Receiving:
             EndpointNotStartedError, EndpointClosedError.
         """
         self._core.check_open()
-        return self._receiver.deliveries.stream(request_id, from_stage)
+        stream = self._receiver.deliveries.stream(request_id, from_stage)
+        if request_id is not None:
+            self._ended_already(request_id)
+        return stream
+
+    def _ended_already(self, request_id: str) -> None:
+        """A consumer comes for an aborted request whose end is not queued (taken by an
+        earlier consumer, or the abort came before anyone held it): it gets an
+        ``aborted`` delivery of its own, so that it ends too."""
+        why = self._core.aborts.why(request_id)
+        if why is not None and not self._receiver.deliveries.ends_queued(request_id):
+            self._receiver.notice_abort(request_id, *why)
 
     async def requests(self, *, from_stage: str | None = None) -> AsyncIterator[DeliveryStream]:
         """One held :class:`DeliveryStream` per request, as its first delivery arrives::
