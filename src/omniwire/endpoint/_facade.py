@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 from collections.abc import Mapping, Sequence
 from types import TracebackType
 from typing import Any, overload
@@ -34,7 +35,7 @@ from ..observe import Observer, as_observer
 from ..ring import RingReader
 from ..routing import Route, RoutingPolicy
 from ._buffers import TransportBuffer
-from ._config import EndpointConfig
+from ._config import OPTIONS, EndpointConfig, options_doc
 from ._core import Core, State
 from ._dispatch import Dispatcher
 from ._lifecycle import Lifecycle
@@ -54,73 +55,10 @@ class Endpoint(Receiving):
 
     Args:
         name: this stage's name; peers address it by this name.
-        address: where this endpoint receives frames: ``ipc:///path`` on one host,
-            ``tcp://host:port`` across hosts. Default: a fresh ipc path.
-        peers: ``{stage name: address}`` of the peers this endpoint sends to.
-            Peers that send to it are learned from their Hello.
-        policy: a :class:`~omniwire.routing.RoutingPolicy`, or the name of one in
-            the ``omniwire.policies`` entry-point group. Default: ``DefaultPolicy``.
-        routes: per-edge overrides, ``{"far": "nixl", "far:stream_chunk": "shm"}``
-            (see :class:`~omniwire.routing.StaticTablePolicy`).
-        backends: names of the backends to run. Default: every available backend
-            that starts automatically (local, shm, cuda_ipc; mooncake and nixl too
-            when ``address`` is ``tcp://``).
-        backend_options: ``{backend name: {option: value}}``.
-        max_inflight, max_inflight_bytes: credits per peer: objects and bytes sent
-            and not yet acknowledged. A send waits for a credit.
-        ack_timeout: seconds a peer has to acknowledge an object (and to grant a
-            credit, or to take a frame) before the send fails.
-        handshake_timeout: seconds to wait for a peer's Hello before a send fails.
-        peer_timeout: seconds a peer may stay unreachable, or take no frame, before
-            it is declared lost (at once if it is on this host and its process died).
-        heartbeat_interval: ZMTP heartbeat period of the sockets we read (our
-            PUSH sockets use TCP keepalive and user timeout on the same clock, spec
-            §3.4); a silent connection is dropped after three periods, and a peer
-            whose connection dropped while ready is declared lost then (frames on
-            their way may be gone; a new session starts when it is back).
-        zero_copy: deliver views of the sender's memory, acknowledged on
-            ``Delivery.release()``, instead of owned copies.
-        receive_buffer, receive_buffer_bytes: undelivered deliveries this endpoint
-            holds before it stops taking data (and so stops acknowledging).
-        unclaimed_timeout: seconds a delivery of a request nobody holds may keep its
-            share of that budget while the budget is full and other consumers wait;
-            then it is dropped and its request gets an ``error`` delivery with
-            ``cause="unclaimed"`` (see :meth:`deliveries`).
-        receive_window: bytes of DataReady charge (spec §7.6: every header, metadata
-            and inline byte, plus a fixed charge per message) each peer may have
-            outstanding here before it must wait; reopened as the application takes
-            deliveries. A peer that overruns it ends its own session.
-        max_open_streams: streams (requests with chunks and no end yet) one peer may
-            hold open here; the first chunk of one more is refused: its request is
-            aborted back to the sender with reason ``too_many_streams``.
-        stream_idle_timeout: seconds an open stream may go without a chunk before
-            it ends with an ``error`` delivery (``cause="stream_idle"``), and is
-            aborted back to its sender.
-        max_ack_timeouts: consecutive ACK timeouts after which a connected peer is
-            declared unresponsive and everything in flight with it is released.
-        allow_pickle: accept (and allow sending) pickled header values. Only for
-            trusted peers.
-        auth_key: a shared secret; when set, the control plane runs ZMQ CURVE and
-            refuses peers without the same key. Default: ``$OMNIWIRE_AUTH_KEY``.
-        host_id: override the host identity (tests simulate hosts with it;
-            ``$OMNIWIRE_HOST_ID`` does the same).
-        progressive_chunk: large objects are announced in pieces of this size so a
-            copy-mode receiver copies while the sender packs (0 disables; objects to
-            zero-copy receivers are never split).
-        max_peers: the most peers served at once; more are refused (``peer_limit``).
-        control_ring: peers on this host exchange control frames through a
-            shared-memory ring per direction (spec §3.6) instead of the socket, when
-            both ends allow it; ZeroMQ stays for the handshake and for other hosts.
-        digest: send a digest (XXH3-64) of each object's tensor bytes to peers
-            that check it (feature ``"digest"``, every omniwire endpoint since it
-            exists), computed from the tensors sent; a receiver that finds
-            other bytes NACKs the object (``digest_mismatch``) and delivers an
-            ``error`` in its place. A receiver checks every digest it is sent,
-            whatever its own option. CPU tensors only. Costs about 12 ms per
-            64 MiB on each side. Default off.
-        observer: an :class:`~omniwire.observe.Observer` (or a list of them) told
-            of sends, credit waits and deliveries: metrics and tracing
-            (:mod:`omniwire.observe`). Default None: no observer call is made.
+        {options}
+
+    Every option is declared once, with its check, in
+    :data:`omniwire.endpoint._config.OPTIONS` (this list is made from it).
 
     Raises:
         ConfigurationError: an option is unusable (``AddressError`` for an address,
@@ -158,38 +96,11 @@ class Endpoint(Receiving):
         max_peers: int = 256,
         control_ring: bool = True,
         digest: bool = False,
+        resume_window: float = 30.0,
         observer: Observer | Sequence[Observer] | None = None,
     ) -> None:
-        cfg = EndpointConfig.build(
-            name,
-            address=address,
-            peers=peers,
-            policy=policy,
-            routes=routes,
-            backends=backends,
-            backend_options=backend_options,
-            max_inflight=max_inflight,
-            max_inflight_bytes=max_inflight_bytes,
-            ack_timeout=ack_timeout,
-            handshake_timeout=handshake_timeout,
-            peer_timeout=peer_timeout,
-            heartbeat_interval=heartbeat_interval,
-            zero_copy=zero_copy,
-            receive_buffer=receive_buffer,
-            receive_buffer_bytes=receive_buffer_bytes,
-            unclaimed_timeout=unclaimed_timeout,
-            receive_window=receive_window,
-            max_open_streams=max_open_streams,
-            stream_idle_timeout=stream_idle_timeout,
-            max_ack_timeouts=max_ack_timeouts,
-            allow_pickle=allow_pickle,
-            auth_key=auth_key,
-            host_id=host_id,
-            progressive_chunk=progressive_chunk,
-            max_peers=max_peers,
-            control_ring=control_ring,
-            digest=digest,
-        )
+        given = locals()
+        cfg = EndpointConfig.build(name, {o.name: given[o.name] for o in OPTIONS})
         key = auth_key if auth_key is not None else os.environ.get("OMNIWIRE_AUTH_KEY") or None
         self._core = core = Core.assemble(cfg, key, as_observer(observer))
         self._peers = PeerTable(
@@ -518,3 +429,13 @@ class Endpoint(Receiving):
 
     def _on_ring(self, peer: Peer, reader: RingReader) -> None:
         self._dispatch.start_ring(peer, reader, peer.generation)
+
+
+if Endpoint.__doc__:  # (None under python -OO)
+    Endpoint.__doc__ = re.sub(
+        r"^( *)\{options\}$",
+        lambda m: options_doc(m.group(1)),
+        Endpoint.__doc__,
+        count=1,
+        flags=re.M,
+    )
