@@ -4,7 +4,7 @@
     python cluster_inline.py recv ADDRESS SECONDS
     python cluster_inline.py send ADDRESS PEER_ADDRESS SECONDS
 
-Both take ``--peer-timeout`` and ``--heartbeat``. ``recv`` prints ``{"address"}``,
+Both take ``--peer-timeout``, ``--heartbeat`` and ``--resume-window``. ``recv`` prints ``{"address"}``,
 then, after ``SECONDS``, ``{"got": [i or "kind:request_id", …], "counters"}``.
 ``send`` prints ``{"ready": true}``, sends small tensor-less payloads ``{"i": i}``
 (request ids ``q<i>``), one a millisecond for ``SECONDS``, and then prints ``{"ok":
@@ -26,12 +26,15 @@ from omniwire import Endpoint, OmniwireError
 def _options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--peer-timeout", type=float, default=10.0)
     p.add_argument("--heartbeat", type=float, default=0.3)
+    p.add_argument("--resume-window", type=float, default=30.0)
 
 
-async def recv(address: str, seconds: float, peer_timeout: float, heartbeat: float) -> None:
+async def recv(
+    address: str, seconds: float, peer_timeout: float, heartbeat: float, resume: float
+) -> None:
     async with Endpoint(
         "r", address=address, peer_timeout=peer_timeout, heartbeat_interval=heartbeat,
-        backends=["local"],
+        backends=["local"], resume_window=resume,
     ) as ep:  # fmt: skip
         print(json.dumps({"address": ep.address}), flush=True)
         got: list[int | str] = []
@@ -48,11 +51,11 @@ async def recv(address: str, seconds: float, peer_timeout: float, heartbeat: flo
 
 
 async def send(
-    address: str, peer: str, seconds: float, peer_timeout: float, heartbeat: float
+    address: str, peer: str, seconds: float, peer_timeout: float, heartbeat: float, resume: float
 ) -> None:
     async with Endpoint(
         "s", address=address, peers={"r": peer}, peer_timeout=peer_timeout,
-        heartbeat_interval=heartbeat, backends=["local"],
+        heartbeat_interval=heartbeat, backends=["local"], resume_window=resume,
     ) as ep:  # fmt: skip
         await ep.wait_peer("r", 20)
         print(json.dumps({"ready": True}), flush=True)
@@ -94,9 +97,9 @@ def main() -> None:
     _options(s)
     a = p.parse_args()
     if a.role == "recv":
-        anyio.run(recv, a.address, a.seconds, a.peer_timeout, a.heartbeat)
+        anyio.run(recv, a.address, a.seconds, a.peer_timeout, a.heartbeat, a.resume_window)
     else:
-        anyio.run(send, a.address, a.peer, a.seconds, a.peer_timeout, a.heartbeat)
+        anyio.run(send, a.address, a.peer, a.seconds, a.peer_timeout, a.heartbeat, a.resume_window)
 
 
 if __name__ == "__main__":

@@ -62,6 +62,7 @@ def endpoint(args: argparse.Namespace) -> Endpoint:
         routes={p.split("=", 1)[0]: args.route for p in args.peer} if args.route else None,
         ack_timeout=args.ack_timeout,
         peer_timeout=args.peer_timeout,
+        resume_window=args.resume_window,
         heartbeat_interval=args.heartbeat or args.peer_timeout / 4,
         handshake_timeout=args.rejoin,
         digest=args.digest,
@@ -169,6 +170,7 @@ def main() -> int:
     p.add_argument("--gap", type=float, default=0.0, help="seconds between sends")
     p.add_argument("--ack-timeout", type=float, default=30.0)
     p.add_argument("--peer-timeout", type=float, default=2.0)
+    p.add_argument("--resume-window", type=float, default=30.0)
     p.add_argument("--heartbeat", type=float, default=0.0, help="default: peer_timeout / 4")
     p.add_argument("--rejoin", type=float, default=20.0)
     p.add_argument("--settle", type=float, default=10.0)

@@ -61,6 +61,9 @@ _TURN_SECONDS = 0.002
 _THREAD_DECODE = 1 << 20
 #: Frames taken from the socket at once.
 _RECV_FRAMES = 64
+#: A peer's numbered frames applied before we ack them in a frame of our own (if no
+#: frame of ours carried the ack meanwhile); the housekeeping tick acks the rest.
+ACK_FRAMES = 32
 
 
 class Dispatcher:
@@ -210,7 +213,15 @@ class Dispatcher:
     ) -> list[Peer]:
         """Apply a decoded frame (see :meth:`on_frame`)."""
         core = self.core
-        messages = msg.messages if isinstance(msg, wire.BatchMessage) else (msg,)
+        resumed: Peer | None = None
+        if isinstance(msg, wire.BatchMessage):
+            if msg.session:  # numbered, or an ack alone (spec §10.7)
+                resumed = self._resumed(msg, abort_channel, source)
+                if resumed is None:
+                    return []
+            messages: tuple[wire.Message, ...] = msg.messages
+        else:
+            messages = (msg,)
         self.applied += len(messages)
         takeable: list[Peer] = []
         for m in messages:
@@ -231,7 +242,39 @@ class Dispatcher:
             else:
                 if peer is not None and peer not in takeable:
                     takeable.append(peer)
+        if resumed is not None:
+            resumption = resumed.session.resumption
+            if resumption is not None and resumption.ack_due(ACK_FRAMES):
+                core.outbox.ack(resumed)
         return takeable
+
+    def _resumed(
+        self, msg: wire.BatchMessage, abort_channel: bool, source: str | None
+    ) -> Peer | None:
+        """The peer whose numbered frame (or ack) ``msg`` is, if it is to be applied:
+        of the session going on, the next number (spec §10.7). Else it is dropped whole
+        and counted: a frame of an ended session, one already applied, or one after
+        a gap (those frames come again)."""
+        core = self.core
+        peer = self.peers.get(msg.from_stage)
+        resumption = peer.session.resumption if peer is not None else None
+        if abort_channel or (source is not None and msg.from_stage != source):
+            core.counters["protocol_errors"] += 1
+            core.noisy.warning("protocol", "%s: a numbered frame from %r out of place", core.name, msg.from_stage)
+            return None
+        if peer is None or resumption is None or msg.session != resumption.token:
+            core.counters["frames_stale"] += 1
+            return None
+        if not resumption.accept(msg.session, msg.seq):
+            core.counters["frames_duplicate"] += 1
+            return None
+        if msg.ack:
+            try:
+                resumption.on_ack(msg.ack)
+            except ProtocolError as exc:
+                core.counters["protocol_errors"] += 1
+                core.noisy.warning("protocol", "%s: %s: %s", core.name, peer.name, exc)
+        return peer
 
     def _apply(self, msg: wire.Message) -> Peer | None:
         if type(msg) is wire.DataReadyMessage:  # the common case first

@@ -15,6 +15,7 @@ from collections.abc import Iterable
 
 from .. import hostinfo, wire
 from ..addresses import parse_address
+from ..backends._peermem import SEALING
 from ..backends.base import PeerInfo
 from ..capabilities import Locality
 from ..errors import (
@@ -39,6 +40,8 @@ def hello_of(
         ("zero_copy", core.config.zero_copy),
         ("ring", core.config.control_ring),
         ("digest", True),  # this endpoint checks DataRef.digest (spec §7.7)
+        ("sealed", SEALING),  # it reads sealed segments (spec §9.2, §11.2)
+        (wire.RESUME_FEATURE, core.config.resume_window > 0),  # spec §10.7
     )
     return wire.HelloMessage(
         endpoint=core.name,
@@ -63,6 +66,7 @@ def hello_of(
         ring_attached=ring_attached,
         window=core.config.receive_window,
         epoch=peer.epoch if peer is not None else 0,
+        session=peer.session.token if peer is not None and core.config.resume_window > 0 else 0,
     )
 
 
@@ -139,6 +143,7 @@ def peer_infos(core: Core, hello: wire.HelloMessage) -> dict[str, PeerInfo]:
             info=theirs[name],
             devices=kinds,
             host=host,
+            features=tuple(hello.features),
         )
         for name in core.backends
         if name in theirs

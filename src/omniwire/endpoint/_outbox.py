@@ -31,9 +31,10 @@ import asyncio
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, TypeGuard, cast
 
 import anyio
+import msgspec
 
 from .. import wire
 from ..control import ControlPlane
@@ -148,13 +149,22 @@ class Outbox:
             if not self._reset_scheduled:
                 self._reset_scheduled = True
                 (self._loop or self._get_loop()).call_soon(self._new_iteration)
-            frame = _frame(msg, peer.session.version)
             ring = peer.ring_writer
+            numbered = False
             try:
+                if _numbers(msg, peer):
+                    numbered = True
+                    frame = _numbered(peer, (msg,))
+                else:
+                    frame = _frame(msg, peer.session.version)
                 if ring is not None:
                     if _ring_send(ring, frame):
                         return
                 elif self._control.send_nowait(name, frame):
+                    return
+                if numbered:  # numbered and retained: it waits as this frame, not anew
+                    queue = self._queues[name] = _Queue(peer)
+                    self._send(queue, frame)
                     return
             except OmniwireError as exc:  # the ring broke, or a frame cannot be made
                 self._broken(name, exc)
@@ -221,6 +231,63 @@ class Outbox:
         """Frames posted to ``peer`` from now on go through its ring, after every frame
         posted before (those still go by ZeroMQ: the last of them is the peer's cue)."""
         self._enqueue(peer, _ToRing(writer))
+
+    def resend(self, peer: Peer, *, rekey: bool = False) -> int:
+        """Send every frame of the session the peer has not acknowledged again, in order,
+        ahead of anything not sent yet (spec §10.7): our link to it came back (frames
+        the dropped connection held are lost), or (``rekey``) its session token changed
+        and it dropped what carried the old one. Returns how many frames."""
+        resumption = peer.session.resumption
+        if resumption is None or self._closed or not resumption.retained:
+            return 0
+        frames = [frame for _, frame in resumption.retained]
+        if rekey:
+            frames = [_readdressed(frame, resumption.peer_token) for frame in frames]
+            resumption.retained = deque(
+                zip((s for s, _ in resumption.retained), frames, strict=True)
+            )
+        queue = self._queues.get(peer.name)
+        if queue is None:
+            queue = self._queues[peer.name] = _Queue(peer)
+        else:  # numbered frames waiting in the backlog are among the retained ones
+            queue.backlog = deque(item for item in queue.backlog if not _is_numbered(item[0]))
+            queue.backlog_bytes = sum(len(f) for f, _ in queue.backlog)
+        for frame in frames:
+            self._send(queue, frame)
+        if not queue.backlog and not queue.messages:
+            self._done(queue)
+        return len(frames)
+
+    def ack(self, peer: Peer) -> None:
+        """Tell ``peer`` how far its numbered frames were applied here (spec §10.7), in a
+        frame of its own unless messages to it are queued (their frames carry it)."""
+        resumption = peer.session.resumption
+        queue = self._queues.get(peer.name)
+        if resumption is None or self._closed or (queue is not None and queue.messages):
+            return
+        resumption.ack_sent = resumption.received
+        frame = wire.encode(
+            wire.BatchMessage(
+                messages=(),
+                from_stage=self._control_name(peer),
+                session=resumption.peer_token,
+                ack=resumption.received,
+            ),
+            version=peer.session.version,
+        )
+        if queue is None:
+            queue = self._queues[peer.name] = _Queue(peer)
+        try:
+            self._send(queue, frame)
+        except OmniwireError as exc:
+            self._broken(peer.name, exc)
+            return
+        if not queue.backlog and not queue.messages:
+            self._done(queue)
+
+    @staticmethod
+    def _control_name(peer: Peer) -> str:
+        return peer.session.local_name
 
     def close(self) -> None:
         """The endpoint closes: what was not sent by now is dropped; nothing new is queued."""
@@ -380,40 +447,90 @@ def _frames(peer: Peer, messages: list[wire.Message], sizes: list[int]) -> list[
     (by the messages' sizes before encoding: a DataReady's charge, given by its poster
     in ``sizes`` or computed here, bounds it), everything else a frame of its own."""
     version = peer.session.version
-    if len(messages) == 1 or version < (1, 1):
+    numbered = peer.session.resumption is not None
+    if (len(messages) == 1 and not numbered) or version < (1, 1):
         return [_frame(m, version) for m in messages]
     if 0 not in sizes and len(messages) <= _BATCH_MAX and sum(sizes) <= _BATCH_BYTES:
         # every one a DataReady its poster charged (the common burst): one batch
-        return _batch(cast("list[wire.BatchedMessage]", messages), version)
+        return _batch(peer, cast("list[wire.BatchedMessage]", messages), version)
     frames: list[bytes] = []
     run: list[wire.BatchedMessage] = []
     size = 0
     for msg, known in zip(messages, sizes, strict=True):
         if not isinstance(msg, _BATCHABLE):
-            frames += _batch(run, version)
+            frames += _batch(peer, run, version)
             run, size = [], 0
             frames.append(_frame(msg, version))
             continue
         cost = known or (wire.charge(msg) if type(msg) is wire.DataReadyMessage else _SMALL)
         if run and (len(run) >= _BATCH_MAX or size + cost > _BATCH_BYTES):
-            frames += _batch(run, version)
+            frames += _batch(peer, run, version)
             run, size = [], 0
         run.append(msg)
         size += cost
-    frames += _batch(run, version)
+    frames += _batch(peer, run, version)
     return frames
 
 
-def _batch(run: list[wire.BatchedMessage], version: tuple[int, int]) -> list[bytes]:
+def _batch(peer: Peer, run: list[wire.BatchedMessage], version: tuple[int, int]) -> list[bytes]:
     if not run:
         return []
-    if len(run) == 1:
+    numbered = peer.session.resumption is not None
+    if len(run) == 1 and not numbered:
         return [_frame(run[0], version)]
     try:
+        if numbered:
+            return [_numbered(peer, tuple(run))]
         return [wire.encode(wire.BatchMessage(messages=tuple(run)), version=version)]
     except WireFormatError:  # sizes underestimated (long paths, ids): split until it fits
+        if len(run) == 1:
+            raise
         half = len(run) // 2
-        return _batch(run[:half], version) + _batch(run[half:], version)
+        return _batch(peer, run[:half], version) + _batch(peer, run[half:], version)
+
+
+def _numbers(msg: wire.Message, peer: Peer) -> TypeGuard[wire.BatchedMessage]:
+    """Whether ``msg`` to ``peer`` goes in a numbered frame (spec §10.7)."""
+    return peer.session.resumption is not None and isinstance(msg, _BATCHABLE)
+
+
+def _numbered(peer: Peer, run: tuple[wire.BatchedMessage, ...]) -> bytes:
+    """The next numbered frame of the session with ``peer``, retained until it acks.
+
+    Raises:
+        WireFormatError: the frame would exceed the frame limit (nothing is numbered).
+    """
+    resumption = peer.session.resumption
+    assert resumption is not None
+    msg = wire.BatchMessage(
+        messages=run,
+        from_stage=run[0].from_stage,
+        session=resumption.peer_token,
+        seq=resumption.next_seq,
+        ack=resumption.received,
+    )
+    frame = wire.encode(msg, version=peer.session.version)
+    seq, _ = resumption.number()
+    resumption.retain(seq, frame)
+    return frame
+
+
+def _is_numbered(frame: bytes) -> bool:
+    """Whether ``frame`` (one we encoded) is a numbered BatchMessage."""
+    try:
+        msg = wire.decode(frame)
+    except WireFormatError:
+        return False
+    return isinstance(msg, wire.BatchMessage) and msg.seq != 0
+
+
+def _readdressed(frame: bytes, token: int) -> bytes:
+    """A numbered frame of ours, addressed to the peer's new session ``token``."""
+    msg = wire.decode(frame)
+    assert isinstance(msg, wire.BatchMessage)
+    return wire.encode(
+        msgspec.structs.replace(msg, session=token), version=wire.peek_version(frame)
+    )
 
 
 def _frame(msg: wire.Message, version: tuple[int, int]) -> bytes:

@@ -72,6 +72,9 @@ SEND_WINDOW_MAX = 64 << 20
 #: How long after its connection dropped a peer is declared lost (a Goodbye sent
 #: just before its process closed the connection has this long to land).
 LINK_DROP_GRACE = 0.25
+#: Bytes of numbered frames kept for a peer until it acknowledges them (spec §10.7),
+#: at most: its window bounds what it may have outstanding, and it acks at every tick.
+RETAIN_MAX = 4 * SEND_WINDOW_MAX
 #: Frames ZeroMQ may hold for a peer that grants no window (``window = 0``: a
 #: writer predating spec §7.6, or one pretending to be): nothing else tells this
 #: endpoint that such a peer reads. With the outbox's backlog bound, a peer that
@@ -112,7 +115,9 @@ class PeerTable:
         cfg = self.core.config
         peer = Peer(
             name=name,
-            session=wire.Session(local_name=cfg.name, peer_name=name),
+            session=wire.Session(
+                local_name=cfg.name, peer_name=name, resumes=cfg.resume_window > 0
+            ),
             credits=Credits(cfg.max_inflight, cfg.max_inflight_bytes),
             rwindow=ReceiveWindow(cfg.receive_window),
         )
@@ -153,16 +158,26 @@ class PeerTable:
         """Connection events of our PUSH to ``peer``, until it is closed."""
         async for event in self.core.control.events(peer.name):
             if event is PeerEvent.UP:
+                was_down = peer.down_since is not None
                 peer.down_since = None
                 peer.connected = True
                 peer.auth_failure = ""
                 peer.failed_handshakes = 0
                 self.core.outbox.post(peer, hello_of(self.core, peer, reply=False))
+                if peer.ring_writer is None and peer.session.resumption is not None:
+                    # what the dropped connection held is gone: send it again (§10.7)
+                    self.core.counters["frames_resent"] += self.core.outbox.resend(peer)
+                    if was_down:
+                        self.core.counters["sessions_resumed"] += 1
                 self._maybe_ready(peer)
             elif event is PeerEvent.DOWN:
                 if peer.down_since is None:
                     peer.down_since = time.monotonic()
-                if peer.status is PeerStatus.READY and peer.ring_writer is None:
+                if (
+                    peer.status is PeerStatus.READY
+                    and peer.ring_writer is None
+                    and peer.session.resumption is None
+                ):
                     # ZeroMQ reconnects, but what the closed connection's buffers
                     # held is gone: sends that returned may never arrive (spec §10.6)
                     peer.dropped_at = peer.dropped_at or time.monotonic()
@@ -213,6 +228,8 @@ class PeerTable:
                 return
             peer.held_hello = None
         before = peer.hello
+        resumption = peer.session.resumption
+        old_token = resumption.peer_token if resumption is not None else 0
         outcome, lost_out, lost_in = peer.session.on_hello(hello)  # checked: cannot raise
         if outcome is wire.HelloOutcome.RESTART:
             restarted = before is None or before.instance != hello.instance
@@ -234,7 +251,17 @@ class PeerTable:
         if outcome is not wire.HelloOutcome.DUPLICATE and peer.push_open:
             self.core.control.limit_frames(peer.name, 0 if hello.window else NO_WINDOW_FRAMES)
         offered = offer_ring(self.core, peer, hello)
-        if not hello.is_reply or offered:
+        if (
+            outcome is wire.HelloOutcome.DUPLICATE
+            and resumption is not None
+            and hello.session not in (0, old_token)
+        ):
+            # the peer ended its side and numbers from 1 again: what it dropped comes
+            # again, addressed to its new session (§10.7)
+            self.core.counters["frames_resent"] += self.core.outbox.resend(peer, rekey=True)
+        # after a restart our token is new: the peer must learn it, even from a reply
+        restarted = outcome is wire.HelloOutcome.RESTART
+        if not hello.is_reply or offered or restarted:
             self.core.outbox.post(peer, hello_of(self.core, peer, reply=True))
         attach_ring(self.core, peer, hello, self._on_ring)
         if outcome is not wire.HelloOutcome.DUPLICATE:
@@ -468,6 +495,25 @@ class PeerTable:
             ring = peer.ring_writer
             if ring is not None and ring.closed and peer.down_since is None:
                 peer.down_since = now  # its reader closed: like a broken connection
+            resumption = peer.session.resumption
+            if resumption is not None:
+                if resumption.received > resumption.ack_sent:
+                    self.core.outbox.ack(peer)
+                if resumption.retained_bytes > RETAIN_MAX:
+                    self.lose(
+                        peer,
+                        f"it acknowledged none of {resumption.retained_bytes} bytes of frames "
+                        f"sent to it (the limit is {RETAIN_MAX})",
+                        PeerUnresponsiveError,
+                    )
+                    continue
+                if peer.down_since is not None:
+                    if now - peer.down_since > cfg.resume_window:
+                        self.lose(
+                            peer,
+                            f"disconnected for more than resume_window ({cfg.resume_window:g} s)",
+                        )
+                    continue  # a blip: the session resumes when the link is back
             if peer.dropped_at is not None and now - peer.dropped_at >= LINK_DROP_GRACE:
                 self.lose(
                     peer,

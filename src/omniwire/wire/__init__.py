@@ -56,7 +56,16 @@ from ._messages import (
     WindowMessage,
     charge,
 )
-from ._state import HelloOutcome, InboundObject, OutboundObject, PeerState, Session, negotiate
+from ._state import (
+    RESUME_FEATURE,
+    HelloOutcome,
+    InboundObject,
+    OutboundObject,
+    PeerState,
+    Resumption,
+    Session,
+    negotiate,
+)
 
 __all__ = [
     "ALIGNMENT",
@@ -77,6 +86,7 @@ __all__ = [
     "NACK_REASONS",
     "PREFIX_SIZE",
     "REFUSAL_CODES",
+    "RESUME_FEATURE",
     "SUPPORTED_MAJORS",
     "U64_MAX",
     "WIRE_VERSION",
@@ -103,6 +113,7 @@ __all__ = [
     "PeerState",
     "RefusalCode",
     "RefusalMessage",
+    "Resumption",
     "Session",
     "TensorMeta",
     "WindowMessage",

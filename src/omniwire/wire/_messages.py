@@ -385,6 +385,9 @@ class HelloMessage(_Base, frozen=True, kw_only=True, tag="hello", tag_field="typ
     #: 1.1: how many times this instance declared the addressee lost (spec §10.6). A
     #: higher epoch than in the last Hello of an active session ends that session.
     epoch: int = 0
+    #: 1.1 (feature ``"resume"``, §10.7): the sender's token for its current session
+    #: with the addressee; numbered frames to the sender carry it back. 0: none.
+    session: int = 0
 
     def __post_init__(self) -> None:
         _name("HelloMessage.endpoint", self.endpoint)
@@ -412,6 +415,7 @@ class HelloMessage(_Base, frozen=True, kw_only=True, tag="hello", tag_field="typ
         _text("HelloMessage.ring", self.ring, MAX_NAME_BYTES, empty_ok=True)
         _text("HelloMessage.ring_attached", self.ring_attached, MAX_NAME_BYTES, empty_ok=True)
         _u64("HelloMessage.window", self.window)
+        _u64("HelloMessage.session", self.session)
 
 
 class DataReadyMessage(_Base, frozen=True, kw_only=True, tag="data_ready", tag_field="type"):
@@ -608,13 +612,34 @@ class BatchMessage(_Base, frozen=True, kw_only=True, tag="batch", tag_field="typ
     if each had arrived in a frame of its own."""
 
     messages: tuple[BatchedMessage, ...]
+    #: 1.1, feature ``"resume"`` (§10.7): the sender, for a numbered frame or an ack.
+    from_stage: str = ""
+    #: The addressee's session token (its Hello's ``session``) this frame belongs to.
+    session: int = 0
+    #: This frame's number in the session, from 1; 0: not numbered (an ack alone).
+    seq: int = 0
+    #: The highest number of the addressee's frames the sender applied, in order.
+    ack: int = 0
 
     def __post_init__(self) -> None:
-        if not 1 <= len(self.messages) <= MAX_BATCH_MESSAGES:
+        least = 1 if self.seq or not self.ack else 0  # an ack alone carries no message
+        if not least <= len(self.messages) <= MAX_BATCH_MESSAGES:
             raise ValueError(
                 f"BatchMessage carries {len(self.messages)} messages; it must carry "
-                f"1 to {MAX_BATCH_MESSAGES}"
+                f"{least} to {MAX_BATCH_MESSAGES}"
             )
+        if self.seq or self.ack:
+            _name("BatchMessage.from_stage", self.from_stage)
+            if not 0 < self.session <= U64_MAX:
+                raise ValueError("a numbered BatchMessage or an ack needs a session token")
+            _u64("BatchMessage.seq", self.seq)
+            _u64("BatchMessage.ack", self.ack)
+            for m in self.messages:
+                if m.from_stage != self.from_stage:
+                    raise ValueError(
+                        f"BatchMessage from {self.from_stage!r} holds a message from "
+                        f"{m.from_stage!r}"
+                    )
 
 
 Message = (

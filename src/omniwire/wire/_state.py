@@ -33,6 +33,8 @@ so one bad message cannot corrupt the session.
 from __future__ import annotations
 
 import enum
+import secrets
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
@@ -52,10 +54,12 @@ from ._messages import (
 )
 
 __all__ = [
+    "RESUME_FEATURE",
     "HelloOutcome",
     "InboundObject",
     "OutboundObject",
     "PeerState",
+    "Resumption",
     "Session",
     "negotiate",
 ]
@@ -98,6 +102,106 @@ class InboundObject:
     request_id: str
     length: int
     ready: int
+
+
+#: The Hello feature that numbers a session's frames so that it outlives its
+#: connection (spec §10.7).
+RESUME_FEATURE = "resume"
+
+
+def new_token() -> int:
+    """A session token (spec §10.7): random, never 0."""
+    return secrets.randbits(63) + 1
+
+
+class Resumption:
+    """The numbered frames of one session, both ways (spec §10.7).
+
+    Theory of operation
+    -------------------
+    Every frame this side sends the peer in the session (but Hellos, Goodbyes and
+    acks alone) is a BatchMessage numbered 1, 2, 3, …, carrying the peer's session
+    token and ``ack``: the highest number of the peer's frames applied here, in
+    order. Its bytes are **retained** until the peer acknowledges that number. When
+    our link to the peer comes up again, every retained frame is sent again, in
+    order; so is every one when the peer's token changes while the session goes on
+    (it ended its side of the session and numbers from 1 again: those frames are
+    re-addressed to the new token). The receiver applies a frame only if it carries
+    its own current token and the next number it expects; anything else — a frame
+    it already has, or one after a gap (frames a dropped connection lost, which come
+    again) — is dropped whole. So no frame is applied twice or out of order, and
+    none is lost while the session lasts.
+
+    Bounds: what is retained is what the peer has not acknowledged; the peer acks
+    at least every ``ACK_FRAMES`` frames it applies and at every housekeeping tick,
+    and the peer's window (§7.6) bounds what may be outstanding.
+    """
+
+    __slots__ = (
+        "ack_sent",
+        "acked",
+        "next_seq",
+        "peer_token",
+        "received",
+        "retained",
+        "retained_bytes",
+        "token",
+    )
+
+    def __init__(self, token: int, peer_token: int) -> None:
+        self.token = token  # ours: the peer's numbered frames must carry it
+        self.peer_token = peer_token  # the peer's: our numbered frames carry it
+        self.next_seq = 1  # the number of the next frame we send
+        self.acked = 0  # the highest of our numbers the peer acknowledged
+        self.retained: deque[tuple[int, bytes]] = deque()  # (number, frame), after ``acked``
+        self.retained_bytes = 0
+        self.received = 0  # the highest number of the peer's frames applied, in order
+        self.ack_sent = 0  # the last ``received`` we told the peer
+
+    def number(self) -> tuple[int, int]:
+        """The number of the frame we are about to send and the ack it carries."""
+        seq = self.next_seq
+        self.next_seq = seq + 1
+        self.ack_sent = self.received
+        return seq, self.received
+
+    def retain(self, seq: int, frame: bytes) -> None:
+        self.retained.append((seq, frame))
+        self.retained_bytes += len(frame)
+
+    def on_ack(self, ack: int) -> None:
+        """The peer applied our frames up to ``ack``: forget them.
+
+        Raises:
+            RemoteProtocolError: ``ack`` names a frame we never sent.
+        """
+        if ack >= self.next_seq:
+            raise RemoteProtocolError(
+                f"ack of frame {ack}, but only {self.next_seq - 1} were sent in this session"
+            )
+        if ack <= self.acked:
+            return
+        self.acked = ack
+        retained = self.retained
+        while retained and retained[0][0] <= ack:
+            self.retained_bytes -= len(retained.popleft()[1])
+
+    def accept(self, token: int, seq: int) -> bool:
+        """Whether to apply a frame of the peer's numbered ``seq`` for session ``token``
+        (else it is dropped whole: stale, a duplicate, or after a gap)."""
+        if token != self.token:
+            return False
+        if seq == 0:
+            return True  # an ack alone
+        if seq != self.received + 1:
+            return False
+        self.received = seq
+        return True
+
+    def ack_due(self, frames: int) -> bool:
+        """Whether the peer should be told ``received`` now: ``frames`` or more of its
+        frames applied since we last told it."""
+        return self.received - self.ack_sent >= frames
 
 
 O = TypeVar("O", bound=OutboundObject)  # noqa: E741 - the outbound record type
@@ -148,6 +252,12 @@ class Session(Generic[O, I]):
     version: tuple[int, int] = (1, 0)
     outbound: dict[int, O] = field(default_factory=dict)
     inbound: dict[int, I] = field(default_factory=dict)
+    #: Our token for the session (spec §10.7): a new one whenever it ends.
+    token: int = field(default_factory=new_token)
+    #: Whether this side numbers its sessions (offers ``"resume"`` in its Hellos).
+    resumes: bool = False
+    #: The numbered frames of the session, when both sides offered ``"resume"``.
+    resumption: Resumption | None = None
 
     # -- messages from the peer -------------------------------------------------
 
@@ -216,13 +326,23 @@ class Session(Generic[O, I]):
         self.version = version
         self.state = PeerState.ACTIVE
         if previous is None or was_closed:
+            self._begin(msg)
             return HelloOutcome.NEW, [], []
         if not restarts:
+            if self.resumption is not None and msg.session:
+                self.resumption.peer_token = msg.session  # see :meth:`rekeyed`
             return HelloOutcome.DUPLICATE, [], []
         # a new instance, or the same one that gave our session up (it declared us
         # lost while we did not notice, §10.6): either way its old objects are gone
         lost_out, lost_in = self._take_all()
+        self.token = new_token()
+        self._begin(msg)
         return HelloOutcome.RESTART, lost_out, lost_in
+
+    def _begin(self, msg: HelloMessage) -> None:
+        """A session starts with ``msg``: number its frames if both sides resume."""
+        resumes = self.resumes and RESUME_FEATURE in msg.features and msg.session != 0
+        self.resumption = Resumption(self.token, msg.session) if resumes else None
 
     def restarts(self, msg: HelloMessage) -> bool:
         """Whether :meth:`on_hello` of ``msg`` would end an active session: another
@@ -237,13 +357,21 @@ class Session(Generic[O, I]):
         """Apply a Goodbye: the peer closed; returns every object in flight with it."""
         self.check(msg)
         self.state = PeerState.CLOSED
+        self._end()
         return self._take_all()
 
     def reset(self) -> tuple[list[O], list[I]]:
         """The peer was lost: back to ``AWAITING_HELLO``; returns every object in flight."""
         self.state = PeerState.AWAITING_HELLO
         self.hello = None
+        self._end()
         return self._take_all()
+
+    def _end(self) -> None:
+        """The session ended: its numbered frames are void, and a new token tells the
+        peer's frames of it from those of the next session."""
+        self.resumption = None
+        self.token = new_token()
 
     def _take_all(self) -> tuple[list[O], list[I]]:
         lost_out = list(self.outbound.values())
