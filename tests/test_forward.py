@@ -18,7 +18,7 @@ from omniwire import Endpoint
 from omniwire.backends import _peermem
 from omniwire.backends.shm import Segment
 from omniwire.errors import BadReferenceError, PeerLostError
-from omniwire.testing import PeerProcess
+from omniwire.testing import PeerProcess, require_backend
 from omniwire.testing.conformance import ipc_address
 
 from conftest import omniwire_segments
@@ -335,3 +335,94 @@ async def test_a_lazily_conjugated_view_of_a_delivery_is_packed_not_forwarded() 
         assert forwarded == [1, 1]  # the view as it is went by reference, the conj was packed
         d.release()
         await upstream.wait(10)
+
+
+# -- every pair of backends (issue 45) -------------------------------------------------
+
+PAIR_ENGINES = ("shm", "mooncake", "nixl", "nccl")
+os.environ.setdefault("UCX_NET_DEVICES", "lo")
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("outgoing", PAIR_ENGINES)
+@pytest.mark.parametrize("incoming", PAIR_ENGINES)
+async def test_a_lent_forward_over_any_pair_of_backends_arrives_and_holds_upstream(
+    incoming: str, outgoing: str
+) -> None:
+    """a → b over ``incoming``, b → c over ``outgoing``: b takes the delivery zero-copy
+    and sends it on with ``lend=True``, then releases it at once. The forward is made
+    by reference where the pair allows (b packs nothing: c reads b's view, or b's
+    engine writes from it into c's landing), else packed once (into shm, which shares
+    only its own memory) — never a BackendError (mooncake → mooncake registered b's
+    whole landing again: "overlapped memory region"); c gets the bytes intact, and
+    a's object stays held until c's bytes no longer need b's view (c is done, or they
+    landed in c's memory)."""
+    by_reference = outgoing != "shm" or incoming == "shm"
+    await _relay(incoming, outgoing, by_reference)
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("engine", ["mooncake", "nixl"])
+async def test_a_forward_from_a_landing_to_a_peer_that_lends_none_is_read_there(
+    engine: str,
+) -> None:
+    """c lends b no landing: c reads the object where it landed in b's memory (b's
+    landing, not registered again), and a's object waits until c is done."""
+    await _relay(engine, engine, True, c_options={"landing_size": 0})
+
+
+async def _relay(
+    incoming: str, outgoing: str, by_reference: bool, c_options: dict[str, Any] | None = None
+) -> None:
+    for engine in {incoming, outgoing}:
+        require_backend(engine)
+    tag = os.urandom(3).hex()
+    na, nb, nc = (f"fw{x}-{tag}" for x in "abc")
+    # shm needs one host; the engines between hosts (nccl serves no same-host edge)
+    host_b = "h1" if incoming == "shm" else "h2"
+    host_c = host_b if outgoing == "shm" else "h3"
+    small = {"landing_size": 4 << 20, "pool_size": 4 << 20}
+
+    def endpoint(name: str, host: str, engines: set[str], **kw: Any) -> Endpoint:
+        options = {e: small for e in ("mooncake", "nixl") if e in engines}
+        if name == nc and c_options:
+            options = {e: {**small, **c_options} for e in options}
+        return Endpoint(
+            name,
+            address=ipc_address(name),
+            host_id=host,
+            backends=sorted(engines),
+            backend_options=options,
+            **kw,
+        )
+
+    c = endpoint(nc, host_c, {outgoing}, zero_copy=True)
+    b = endpoint(nb, host_b, {incoming, outgoing}, zero_copy=True, routes={nc: outgoing})
+    a = endpoint(na, "h1", {incoming}, routes={nb: incoming})
+    async with c, b, a:
+        b.add_peer(nc, c.address)
+        a.add_peer(nb, b.address)
+        with anyio.fail_after(60):
+            await a.wait_peer(nb)
+            await b.wait_peer(nc)
+            x = torch.randn(1 << 16)  # 256 KiB: an object, not inline
+            upstream = await a.send(nb, x, request_id="up")
+            d = await b.receive()
+            assert d.backend == incoming and torch.equal(d.payload, x)
+            sent = await b.send(nc, d.payload, request_id="on", lend=True)
+            d.release()  # at once: the forward's hold keeps a's bytes
+            e = await c.receive()
+            assert e.backend == outgoing and torch.equal(e.payload, x)
+            counters = b.counters
+            forwarded = counters.get("objects_forwarded", 0)
+            packed = counters.get("bytes_packed", 0)
+            assert (forwarded, packed) == ((1, 0) if by_reference else (0, x.nbytes)), counters
+            if forwarded and sent.outcome != "landed":  # c reads b's view of a's memory
+                await anyio.sleep(0.2)
+                assert upstream.outcome != "delivered"  # a's object waits for c
+            e.release()
+            assert await sent.settled() == "delivered"
+            assert await upstream.settled() == "delivered"
+        if c_options:
+            assert b.backend(outgoing).stats().detail["landed"] == 0
+            assert c.backend(outgoing).stats().detail["reads"] == 1

@@ -297,6 +297,15 @@ class RegisteredRecvPool(RecvPool, Generic[H]):
         entry = self._handles.get(t.data_ptr())
         return entry is not None and t.numel() * t.element_size() <= entry[1]
 
+    def handle_of(self, addr: int, nbytes: int) -> H | None:
+        """The registration of the block that holds bytes ``[addr, addr + nbytes)``,
+        or None."""
+        with self._lock:
+            for start, (handle, size) in self._handles.items():
+                if start <= addr and addr + nbytes <= start + size:
+                    return handle
+        return None
+
     def _give_back(self, block: mmap.mmap, size: int) -> None:
         # Runs while the last array viewing the block is deallocated (any thread).
         with self._lock:
@@ -554,10 +563,19 @@ class RegistrationCache(Generic[H]):
 
 
 async def lend(
-    cache: RegistrationCache[H], tensors: Sequence[torch.Tensor], devices: frozenset[str]
-) -> tuple[list[LentPiece], int, list[tuple[Hashable, H]]] | None:
+    cache: RegistrationCache[H],
+    tensors: Sequence[torch.Tensor],
+    devices: frozenset[str],
+    own: Callable[[int, int], H | None] | None = None,
+) -> tuple[list[LentPiece], int, list[tuple[Hashable | None, H]]] | None:
     """The caller's lent tensors as pieces of the packed image (:func:`lent_pieces`),
     each registered through ``cache``; None when they cannot be read in place.
+
+    ``own(address, nbytes)``: the handle of memory the backend registered itself
+    (a landing, its pool, a receive block) that holds those bytes, or None. Such a
+    piece (a delivery forwarded from where it landed, say) is not registered again
+    — an engine may refuse a registration that overlaps one it has (mooncake: "does
+    not support overlapped memory region") — and its key is None.
 
     Raises:
         BackendError: the engine refused a registration (none is kept).
@@ -566,7 +584,16 @@ async def lend(
     if image is None:
         return None
     pieces, nbytes = image
-    return pieces, nbytes, await cache.acquire_all([p.tensor for p in pieces])
+    handles = [own(p.addr, p.nbytes) if own is not None else None for p in pieces]
+    acquired = iter(
+        await cache.acquire_all(
+            [p.tensor for p, h in zip(pieces, handles, strict=True) if h is None]
+        )
+    )
+    out: list[tuple[Hashable | None, H]] = [
+        (None, h) if h is not None else next(acquired) for h in handles
+    ]
+    return pieces, nbytes, out
 
 
 class LentExport(Export):
@@ -579,7 +606,7 @@ class LentExport(Export):
         nbytes: int,
         ref: bytes,
         cache: RegistrationCache[H],
-        keys: Sequence[Hashable],
+        keys: Sequence[Hashable | None],
         tensors: Sequence[torch.Tensor],
         spans: Sequence[tuple[int, int, int]] = (),
     ) -> None:
@@ -600,4 +627,5 @@ class LentExport(Export):
         cache, self._cache = self._cache, None
         if cache is not None:
             for key in self._keys:
-                cache.release(key)
+                if key is not None:  # (None: memory the backend registered itself)
+                    cache.release(key)

@@ -93,7 +93,7 @@ class FanOut:
                 for peer, route in zip(peers, routes, strict=True):
                     shared: SharedExport | None = None
                     if lend:  # a zero-copy delivery sent on: by reference, each target
-                        shared = sender.forwarded(peer, route, enc.tensors)
+                        shared = await sender.forwarded(peer, route, enc.tensors)
                         if shared is not None:
                             forwards.append(shared)
                     if shared is None and route.backend in sharing:

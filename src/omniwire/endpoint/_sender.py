@@ -125,7 +125,7 @@ class Sender:
                 lend = lend or born.backend is None  # ordinary memory: lent to the engine
                 shared = born.shared_for(route.backend)  # BufferReleasedError; None: packed
             elif lend:
-                shared = forward = self.forwarded(peer, route, enc.tensors)
+                shared = forward = await self.forwarded(peer, route, enc.tensors)
             try:
                 receipt = await self.send_routed(
                     peer,
@@ -147,7 +147,7 @@ class Sender:
                 born.sent(receipt)
             return receipt
 
-    def forwarded(
+    async def forwarded(
         self, peer: Peer, route: Route, tensors: list[torch.Tensor]
     ) -> ForwardedExport | None:
         """An export naming, by reference, the memory of a zero-copy delivery that
@@ -155,9 +155,11 @@ class Sender:
         delivery — its ACK waits until the export is released — or None: pack it.
 
         Only a payload of one contiguous CPU tensor that lies in a delivery not yet
-        released, sent through the backend that delivered it, to a peer that reads
-        forwards, goes by reference. The caller drops the export's first share (its
-        own) once the send has taken one.
+        released goes by reference: through the backend that delivered it, to a peer
+        that reads forwards (``Import.forward``), or through any backend that reads or
+        writes lent memory in place (``export_tensors``: mooncake and nixl from the
+        landing it arrived in, without registering it again; nccl). The caller drops
+        the export's first share (its own) once the send has taken one.
         """
         receiver = self.receiver
         if receiver is None or len(tensors) != 1:
@@ -175,10 +177,17 @@ class Sender:
             return None
         upstream, record, lo = found
         imp = record.imp
-        if imp is None or record.ref.backend != route.backend:
+        if imp is None:
             return None
         info = self.peers.connected_backend(peer, route.backend)
-        export = imp.forward(info, lo, t.nbytes)
+        export = imp.forward(info, lo, t.nbytes) if record.ref.backend == route.backend else None
+        if export is None:
+            backend = self.core.backends.get(route.backend)
+            if isinstance(backend, ByteBackend):
+                export = await backend.export_tensors(info, [t], lent=True)
+            if export is not None and (export.buffer is not None or record.finished):
+                export.release()  # (a copy, or the delivery ended meanwhile): packed
+                export = None
         if export is None:
             return None
         counters = self.core.counters

@@ -421,7 +421,7 @@ class MooncakeBackend(ByteBackend):
         hello = self._peers.get(peer.key)
         if not lent or hello is None or not hello.pieces:
             return None
-        lent_image = await lend(self.registrations, tensors, frozenset({"cpu"}))
+        lent_image = await lend(self.registrations, tensors, frozenset({"cpu"}), self._own)
         if lent_image is None:
             return None
         pieces, nbytes, acquired = lent_image
@@ -441,6 +441,20 @@ class MooncakeBackend(ByteBackend):
             [p.tensor for p in pieces],
             [(p.at, p.addr, p.nbytes) for p in pieces],
         )
+
+    def _own(self, addr: int, nbytes: int) -> int | None:
+        """The address of memory this backend registered itself — a landing it lent,
+        its pool, a receive block — that holds ``[addr, addr + nbytes)``, or None:
+        what it forwards from there is read (or written) in place, not registered
+        again (the engine refuses an overlapping registration)."""
+        owned = [landing.memory for landing in self._landings.values()]
+        if self._region is not None:
+            owned.append(self._region)
+        for memory in owned:
+            if memory.addr <= addr and addr + nbytes <= memory.addr + memory.size:
+                return memory.addr
+        recv = self._recv_pool
+        return recv.handle_of(addr, nbytes) if recv is not None else None
 
     def _lands_for(self, peer: PeerInfo, nbytes: int) -> Lands | None:
         """The landing ``peer``'s session lent us, if an object of ``nbytes`` may be

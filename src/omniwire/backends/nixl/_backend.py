@@ -579,7 +579,7 @@ class NixlBackend(ByteBackend):
         remote = self._remotes.get(peer.key)
         if not lent or remote is None or not remote.pieces:
             return None
-        image = await lend(self.registrations, tensors, frozenset({"cpu"}))
+        image = await lend(self.registrations, tensors, frozenset({"cpu"}), self._own)
         if image is None:
             return None
         pieces, nbytes, acquired = image
@@ -587,16 +587,32 @@ class NixlBackend(ByteBackend):
         lents: list[blobs.Lent] = []
         out: list[blobs.Piece] = []
         for p, (key, reg) in zip(pieces, acquired, strict=True):
-            if key not in regions:
-                regions[key] = len(lents)
+            named = key if key is not None else ("own", reg.region.addr)
+            if named not in regions:
+                regions[named] = len(lents)
                 lents.append(blobs.Lent(reg.region, reg.metadata))
-            out.append(blobs.Piece(p.at, p.addr, p.nbytes, regions[key]))
+            out.append(blobs.Piece(p.at, p.addr, p.nbytes, regions[named]))
         ref = blobs.encode(blobs.PiecesRef(blobs.PIECES, 0, nbytes, lent=lents, pieces=out))
         self.counters["lent"] += 1
         keys = [key for key, _ in acquired]
         tensors = [p.tensor for p in pieces]
         spans = [(p.at, p.addr, p.nbytes) for p in pieces]
         return LentExport(self, nbytes, ref, self.registrations, keys, tensors, spans)
+
+    def _own(self, addr: int, nbytes: int) -> LentRegistration | None:
+        """The registration of a landing this backend lent that holds ``[addr, addr +
+        nbytes)``, or None: what it forwards from there is read (or written) in place
+        with that registration's metadata, not registered again."""
+        for lent in self._landings.values():
+            memory = lent.memory
+            region = memory.region
+            if (
+                memory.registration is not None
+                and region.addr <= addr
+                and addr + nbytes <= region.addr + region.length
+            ):
+                return LentRegistration(region, memory.registration, memory.metadata)
+        return None
 
     def _lands_for(self, peer: PeerInfo, nbytes: int) -> Lands | None:
         """The landing ``peer``'s session lent us, if an object of ``nbytes`` may be
