@@ -350,7 +350,8 @@ class ForeignPeer:
     address: str  # ipc://...
     instance: int = field(default_factory=lambda: secrets.randbits(63))
     process_token: str = field(default_factory=lambda: secrets.token_hex(8))
-    features: tuple[str, ...] = ()  # advertised in every Hello (§11.2)
+    #: advertised in every Hello (§11.2): "sealed", it reads sealed segments (§9.2)
+    features: tuple[str, ...] = ("sealed",)
     log: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
 
     def __post_init__(self) -> None:

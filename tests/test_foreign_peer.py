@@ -12,6 +12,7 @@ from __future__ import annotations
 import ast
 import errno
 import fcntl
+import mmap
 import os
 import pathlib
 import re
@@ -207,6 +208,54 @@ def test_shm_both_ways(reference: PeerProcess, foreign: ForeignPeer) -> None:
     value = foreign.read_object(data_ref)
     assert np.array_equal(value["big"], big) and np.array_equal(value["small"][0], small)
     foreign.send(foreign.ack(data_ref["object_id"]))
+
+
+def _read_nofollow(info: dict[str, object], length: int) -> bytes:
+    """How a reader of the earlier 1.1 text may open a segment: by name, hardened with
+    ``O_NOFOLLOW`` (a link fails with ELOOP), mapped whole."""
+    fd = os.open(f"/dev/shm/{info['segment']}", os.O_RDONLY | os.O_NOFOLLOW)
+    try:
+        size = os.fstat(fd).st_size
+        start = int(info["offset"])  # type: ignore[call-overload]
+        assert start + length <= size
+        with mmap.mmap(fd, size, prot=mmap.PROT_READ) as m:
+            return bytes(m[start : start + length])
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("sealed", [False, True], ids=["earlier-reader", "sealed-reader"])
+def test_segments_a_reader_can_open(reference: PeerProcess, sealed: bool) -> None:
+    """A peer whose Hello lacks the feature "sealed" (§11.2; every peer of the earlier
+    1.1 text) is sent plain segments, which an ``O_NOFOLLOW`` open reads as before;
+    one that says "sealed" gets sealed memfds behind links (§9.2)."""
+    peer = ForeignPeer(
+        f"foreign-sealed-{sealed}".lower(),
+        _address("foreign"),
+        features=("sealed",) if sealed else (),
+    )
+    try:
+        peer.handshake(REFERENCE, reference.address)
+        big = np.arange(32 * 1024, dtype=np.float32)  # 128 KiB: in a segment, not inline
+        ref = peer.shm_object(1, [big], TensorIndex(0))
+        peer.send(peer.data_ready("req-sealed", data_ref=ref))
+        echo = peer.seen(
+            lambda b: b["type"] == "data_ready" and b["request_id"] == "req-sealed",
+            WAIT,
+            "the echo",
+        )
+        data_ref = echo["data_ref"]
+        assert data_ref is not None and data_ref["backend"] == "shm"
+        info = msgpack.unpackb(data_ref["ref"]["info"], raw=False)
+        mode = os.lstat(f"/dev/shm/{info['segment']}").st_mode
+        assert stat.S_ISLNK(mode) == sealed
+        if not sealed:
+            raw = _read_nofollow(info, data_ref["ref"]["length"])
+            assert np.array_equal(unpack(raw, data_ref["tensors"])[0], big)
+        assert np.array_equal(peer.read_object(data_ref), big)
+        peer.send(peer.ack(data_ref["object_id"]))
+    finally:
+        peer.close()
 
 
 def test_shm_progressive(reference: PeerProcess, foreign: ForeignPeer) -> None:
@@ -506,7 +555,7 @@ def test_a_foreign_ring_writer(reference: PeerProcess) -> None:
     """A peer that advertises "ring" is offered one; it attaches as the writer, sends
     the fence Hello on ZeroMQ and everything after through the ring: order holds across
     the switch, the reader unlinks the ring's names, and a Goodbye closes cleanly."""
-    foreign = ForeignPeer("foreign-ring-writer", _address("foreign"), features=("ring",))
+    foreign = ForeignPeer("foreign-ring-writer", _address("foreign"), features=("ring", "sealed"))
     try:
         foreign.handshake(REFERENCE, reference.address)
         offer = foreign.seen(lambda b: b["type"] == "hello" and b["ring"], WAIT, "a ring offer")

@@ -120,6 +120,8 @@ class PeerInfo:
     devices: tuple[str, ...] = ("cpu",)
     #: The peer's control-plane host (for engines that need an address).
     host: str = "127.0.0.1"
+    #: The features of the peer's Hello (spec §11.2), e.g. "sealed".
+    features: tuple[str, ...] = ()
 
     @property
     def key(self) -> tuple[str, int]:

@@ -7,6 +7,7 @@ import itertools
 import logging
 import os
 import secrets
+from collections.abc import Callable
 from typing import ClassVar
 
 import anyio
@@ -46,6 +47,31 @@ log = logging.getLogger("omniwire.shm")
 #: Long-lived segments of one peer kept open here (omniwire senders use 1 + large_segments);
 #: beyond it, an object's segment is opened for that object alone.
 MAX_KEPT_SEGMENTS = 16
+#: The Hello feature of a peer that reads sealed segments (spec §11.2, §9.2).
+SEALED_FEATURE = "sealed"
+
+
+class _Arena:
+    """One form's arena and its pool: sealed memfds, or plain files for a peer that
+    has not said it reads sealed segments (spec §9.2, "Which form")."""
+
+    def __init__(self, backend: ShmBackend, main: bool, keep: int) -> None:
+        self.sealed = backend.sealed and main
+        self.segment: Segment | None = None
+        self.lock = anyio.Lock()
+        self.error = ""
+        self.create: Callable[[int], Segment] = (
+            (lambda size: backend._new_segment(size))
+            if main
+            else (lambda size: backend._new_segment(size, sealed=False))
+        )
+        self.pool: SlotPool[Segment] = SlotPool(
+            "shm arena" if main else "shm arena (plain files)",
+            create=self.create,
+            destroy=backend._drop_segment,
+            option="backend_options['shm']['arena_size']",
+            keep=keep,
+        )
 
 
 class ShmBackend(ByteBackend):
@@ -88,16 +114,12 @@ class ShmBackend(ByteBackend):
             raise BackendError(f"shm: bad options {dict(opts)!r}: {exc}") from None
         self.prefix = f"{PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
         self._seq = itertools.count()
-        self._arena: Segment | None = None
-        self._arena_lock = anyio.Lock()
-        self._arena_error = ""
-        self.pool: SlotPool[Segment] = SlotPool(
-            "shm arena",
-            create=self._new_segment,
-            destroy=self._drop_segment,
-            option="backend_options['shm']['arena_size']",
-            keep=max(large, 0),
-        )
+        self._keep = max(large, 0)
+        self._main = _Arena(self, True, self._keep)
+        self.pool = self._main.pool
+        # plain files for peers that did not say they read sealed segments: made on
+        # the first object to such a peer (only when this endpoint writes sealed ones)
+        self._plain: _Arena | None = None
         # receiver side: peer key -> the segments of it mapped here
         self._mapped: dict[tuple[str, int], dict[str, Segment | Opened]] = {}
         self._prefixes: dict[tuple[str, int], str] = {}
@@ -145,46 +167,65 @@ class ShmBackend(ByteBackend):
         if hello.forwards:
             self._forwards.add(peer.key)
 
-    def _new_segment(self, size: int) -> Segment:
+    def _new_segment(self, size: int, sealed: bool | None = None) -> Segment:
         name = f"{self.prefix}-{next(self._seq)}"
-        return Segment.create(name, size, self.directory, sealed=self.sealed)
+        form = self.sealed if sealed is None else sealed
+        return Segment.create(name, size, self.directory, sealed=form)
+
+    @property
+    def _arena(self) -> Segment | None:
+        """The (main) arena's segment, once made."""
+        return self._main.segment
+
+    def reads_sealed(self, peer: PeerInfo) -> bool:
+        """Whether ``peer`` said (Hello feature "sealed") that it reads sealed segments;
+        a peer that did not is sent plain files, as the earlier 1.1 text made them."""
+        return SEALED_FEATURE in peer.features
+
+    def _arena_for(self, peer: PeerInfo) -> _Arena:
+        if not self.sealed or self.reads_sealed(peer):
+            return self._main
+        if self._plain is None:
+            self._plain = _Arena(self, False, self._keep)  # plain files
+        return self._plain
 
     def _drop_segment(self, seg: Segment) -> None:
         seg.unlink(self.directory)
         seg.close()
 
-    async def _ensure_arena(self) -> None:
+    async def _ensure_arena(self, arena: _Arena) -> None:
         """Create the arena on the first send. If /dev/shm has no room for it, say so
         once and carry on with dedicated segments (each of which fails with
         ShmFullError if it, too, does not fit)."""
-        if self._arena is not None or self.arena_size <= 0 or self._arena_error:
+        if arena.segment is not None or self.arena_size <= 0 or arena.error:
             return
-        async with self._arena_lock:
-            if self._arena is None and not self._arena_error and not self._closed:
+        async with arena.lock:
+            if arena.segment is None and not arena.error and not self._closed:
                 try:
-                    arena = await make_in_thread(
-                        lambda: self._new_segment(self.arena_size), self._drop_segment
+                    segment = await make_in_thread(
+                        lambda: arena.create(self.arena_size), self._drop_segment
                     )
                 except ShmFullError as exc:
-                    self._arena_error = str(exc)
+                    arena.error = str(exc)
                     log.warning("shm arena not created: %s; using per-object segments", exc)
                     return
-                if self.pool.closed:  # closed meanwhile
-                    self._drop_segment(arena)
+                if arena.pool.closed:  # closed meanwhile
+                    self._drop_segment(segment)
                     return
-                self.pool.attach(arena.size)
-                self._arena = arena
+                arena.pool.attach(segment.size)
+                arena.segment = segment
 
     # -- sender --------------------------------------------------------------------
 
     async def export(self, peer: PeerInfo, nbytes: int, device: str) -> Export:
         if self._closed:
             raise BackendClosedError("shm backend is closed")
-        await self._ensure_arena()
-        lease = await self.pool.take(
+        arena = self._arena_for(peer)
+        await self._ensure_arena(arena)
+        lease = await arena.pool.take(
             nbytes, wait=self.arena_wait, purpose=f"to {peer.name!r}", key=peer.name
         )
-        segment = lease.buffer if lease.buffer is not None else self._arena
+        segment = lease.buffer if lease.buffer is not None else arena.segment
         if segment is None:  # closed meanwhile
             lease.release()
             raise BackendClosedError("shm backend is closed")
@@ -373,15 +414,19 @@ class ShmBackend(ByteBackend):
         for prefix in self._prefixes.values():
             self._sweep_prefix(prefix)
         self._prefixes.clear()
-        await self.pool.aclose()
-        async with self._arena_lock:
-            if self._arena is not None:
-                self._drop_segment(self._arena)
-                self._arena = None
+        for arena in (self._main, self._plain):
+            if arena is None:
+                continue
+            await arena.pool.aclose()
+            async with arena.lock:
+                if arena.segment is not None:
+                    self._drop_segment(arena.segment)
+                    arena.segment = None
 
     def detail(self) -> dict[str, int]:
         return {
             **self.pool.detail("arena_"),
+            **(self._plain.pool.detail("plain_arena_") if self._plain is not None else {}),
             "mapped_segments": sum(len(m) for m in self._mapped.values()),
             "forward_links": len(self._links),
         }
