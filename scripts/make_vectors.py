@@ -54,6 +54,8 @@ NIXL_POOL = (0x7F0000000000, 128 << 20)
 #: the caller's tensors. (at, address, length) per piece; the image is 4160 bytes.
 PIECES = ((0, 0x7F3000000040, 24), (64, 0x7F3000101000, 4096))
 PIECES_LENGTH = 4160
+#: The thinker's token for its session with the encoder (§10.7).
+SESSION_THINKER = 0x5E55_1011_2233_4455
 
 
 class Span(msgspec.Struct):
@@ -297,6 +299,23 @@ def messages() -> dict[str, wire.Message]:
                 wire.AbortMessage(request_id="req-4", from_stage="encoder"),
             )
         ),
+        # §10.7: frame 42 of the encoder's session with the thinker, whose token it
+        # carries; the encoder has applied the thinker's frames up to 7
+        "batch_numbered": wire.BatchMessage(
+            messages=(
+                wire.DataAckMessage(object_id=19, from_stage="encoder", to_stage="thinker"),
+            ),
+            from_stage="encoder",
+            session=SESSION_THINKER,
+            seq=42,
+            ack=7,
+        ),
+        "batch_ack": wire.BatchMessage(
+            messages=(), from_stage="encoder", session=SESSION_THINKER, ack=8
+        ),
+        "hello_resume": msgspec.structs.replace(
+            hello, features=(*hello.features, "resume"), session=SESSION_THINKER
+        ),
     }
 
 
@@ -530,7 +549,7 @@ def compat() -> dict[str, tuple[bytes, wire.Message]]:
     return {
         "hello_1_0": (
             _frame(
-                _without(hello10, "to_endpoint", "ring", "ring_attached", "window", "epoch"),
+                _without(hello10, "to_endpoint", "ring", "ring_attached", "window", "epoch", "session"),
                 minor=0,
             ),
             hello10,
@@ -585,6 +604,9 @@ REJECTION_CODES: dict[str, str] = {
     "hello_empty_endpoint": "message.bad_value",
     "batch_with_hello": "batch.bad_member",
     "batch_empty": "batch.size",
+    "batch_ack_with_messages": "batch.size",
+    "batch_numbered_without_session": "batch.resume",
+    "batch_numbered_foreign_member": "batch.resume",
     "batch_nested": "batch.bad_member",
     "unknown_dtype": "tensor.unknown_dtype",
     "nbytes_mismatch": "tensor.nbytes",
@@ -595,6 +617,7 @@ REJECTION_CODES: dict[str, str] = {
     "unaligned_offset": "tensor.unaligned",
     "tensor_beyond_buffer": "tensor.out_of_bounds",
     "data_ref_and_inline": "data_ready.both",
+    "data_ready_empty": "data_ready.empty",
     "ack_success_with_reason": "ack.reason_on_success",
     "object_id_negative": "message.bad_value",
     "data_ref_version_2": "data_ref.version",
@@ -603,6 +626,7 @@ REJECTION_CODES: dict[str, str] = {
     "header_pickle": "header.pickle_refused",
     "header_unknown_ext": "header.unknown_ext",
     "header_tensor_index_out_of_range": "header.tensor_index",
+    "header_tensor_index_not_int": "header.tensor_index",
     "header_unregistered_type": "header.unregistered_type",
     "header_tuple_not_array": "header.bad_ext",
     "header_trailing_bytes": "header.bad_msgpack",
@@ -674,6 +698,7 @@ def negatives() -> list[dict[str, Any]]:
         "data_ref": ready["data_ref"] | {"ref": ready["data_ref"]["ref"] | {"length": 100}}
     }
     both = ready | {"inline": inline["inline"]}
+    empty = ready | {"data_ref": None, "inline": None, "error": None, "is_done": False}
     ext_tuple = msgspec.msgpack.Ext(codec.EXT_TUPLE, msgspec.msgpack.encode([1]))
 
     def nest(depth: int) -> bytes:
@@ -808,6 +833,39 @@ def negatives() -> list[dict[str, Any]]:
             why="a batch must carry 1 to 4096",
         ),
         dict(
+            name="batch_ack_with_messages",
+            data=_frame(
+                {"type": "batch", "messages": [ack], "from_stage": "encoder",
+                 "session": 5, "seq": 0, "ack": 3}
+            ),  # fmt: skip
+            layer=v,
+            error=wfe,
+            match="an ack alone",
+            why="a batch with an ack and no number carries no message (§10.7)",
+        ),
+        dict(
+            name="batch_numbered_without_session",
+            data=_frame(
+                {"type": "batch", "messages": [ack], "from_stage": "encoder",
+                 "session": 0, "seq": 1, "ack": 0}
+            ),  # fmt: skip
+            layer=v,
+            error=wfe,
+            match="needs a session token",
+            why="a numbered frame names the addressee's session (§10.7)",
+        ),
+        dict(
+            name="batch_numbered_foreign_member",
+            data=_frame(
+                {"type": "batch", "messages": [ack], "from_stage": "talker",
+                 "session": 5, "seq": 1, "ack": 0}
+            ),  # fmt: skip
+            layer=v,
+            error=wfe,
+            match="holds a message from",
+            why="every message of a numbered frame is its sender's (§10.7)",
+        ),
+        dict(
             name="batch_nested",
             data=_frame({"type": "batch", "messages": [{"type": "batch", "messages": [ack]}]}),
             layer=v,
@@ -888,6 +946,14 @@ def negatives() -> list[dict[str, Any]]:
             why="data_ref and inline together",
         ),
         dict(
+            name="data_ready_empty",
+            data=_frame(empty),
+            layer=v,
+            error=wfe,
+            match="carries no data, no error and is not is_done",
+            why="a DataReady with neither data (data_ref, inline), is_done nor error",
+        ),
+        dict(
             name="ack_success_with_reason",
             data=_frame(ack | {"reason": "aborted"}),
             layer=v,
@@ -956,6 +1022,15 @@ def negatives() -> list[dict[str, Any]]:
             tensors=1,
             match="refers to tensor 1",
             why="tensor index 1 with a table of one",
+        ),
+        dict(
+            name="header_tensor_index_not_int",
+            data=msgspec.msgpack.encode(msgspec.msgpack.Ext(codec.EXT_TENSOR, b"\xa1x")),
+            layer=c,
+            error=wfe,
+            tensors=1,
+            match="refers to tensor 'x'",
+            why="a tensor index that is not an integer (the string 'x')",
         ),
         dict(
             name="header_unregistered_type",
@@ -1202,7 +1277,8 @@ def _piece_negatives() -> list[dict[str, Any]]:
             error=err,
             length=n,
             match="malformed nixl reference",
-            why="pool -3: no form has it",
+            why="pool -3 (the landed form) with lent registrations and pieces and no "
+            "landing: fields of two forms mixed",
         ),
         dict(
             name="nccl_pieces_ordered",

@@ -622,11 +622,12 @@ class BatchMessage(_Base, frozen=True, kw_only=True, tag="batch", tag_field="typ
     ack: int = 0
 
     def __post_init__(self) -> None:
-        least = 1 if self.seq or not self.ack else 0  # an ack alone carries no message
-        if not least <= len(self.messages) <= MAX_BATCH_MESSAGES:
+        alone = self.ack and not self.seq  # an ack alone carries no message
+        least, most = (0, 0) if alone else (1, MAX_BATCH_MESSAGES)
+        if not least <= len(self.messages) <= most:
             raise ValueError(
                 f"BatchMessage carries {len(self.messages)} messages; it must carry "
-                f"{least} to {MAX_BATCH_MESSAGES}"
+                f"{least} to {most}" + (" (an ack alone)" if alone else "")
             )
         if self.seq or self.ack:
             _name("BatchMessage.from_stage", self.from_stage)
