@@ -334,6 +334,32 @@ async def test_attach_checks_the_name_the_owner_and_a_single_writer() -> None:
 
 
 @pytest.mark.asyncio
+@pytest.mark.parametrize("bell", [1, 2])
+@pytest.mark.parametrize("change", ["mode", "owner", "regular_file"])
+async def test_attach_refuses_a_doorbell_that_is_not_a_private_fifo(bell: int, change: str) -> None:
+    """Spec §3.6: a writer opens each doorbell with ``O_NOFOLLOW`` and checks, on the
+    descriptor, that it is a FIFO owned by its own uid with mode 0600; else it does
+    not attach (a FIFO others may open lets them ring, drain, or take its lock)."""
+    reader = RingReader.create(4096)
+    path = f"/dev/shm/{reader.name}-{bell}"
+    try:
+        if change == "mode":
+            os.chmod(path, 0o666)
+        elif change == "owner":
+            if os.geteuid() != 0:
+                pytest.skip("chown to another uid needs root")
+            os.chown(path, os.geteuid() + 4242, -1)
+        else:
+            os.unlink(path)
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+            os.close(fd)
+        with pytest.raises(RingError, match="doorbell"):
+            RingWriter.attach(reader.name)
+    finally:
+        reader.close()
+
+
+@pytest.mark.asyncio
 @pytest.mark.parametrize("size", [100, 8192])
 async def test_attach_refuses_a_segment_that_is_not_a_ring(size: int) -> None:
     name = f"omniwire-{os.getpid()}-00c0ffee00c0ffee"

@@ -42,8 +42,18 @@ class Doorbell:
         except OSError as exc:
             raise RingError(f"cannot open the {what} doorbell {path}: {exc}") from exc
         try:
-            if not stat.S_ISFIFO(os.fstat(fd).st_mode):
+            # On the descriptor (the object opened, not the name): a FIFO of our own uid
+            # that no other user may open (spec §3.6) — else another user could ring,
+            # drain, or take the lock that is this ring's liveness.
+            st = os.fstat(fd)
+            if not stat.S_ISFIFO(st.st_mode):
                 raise RingError(f"the {what} doorbell {path} is not a FIFO")
+            if st.st_uid != os.geteuid():
+                raise RingError(f"the {what} doorbell {path} belongs to uid {st.st_uid}")
+            if st.st_mode & 0o077:
+                raise RingError(
+                    f"the {what} doorbell {path} has mode {stat.S_IMODE(st.st_mode):04o}, not 0600"
+                )
         except BaseException:
             os.close(fd)
             raise
