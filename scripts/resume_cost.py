@@ -53,7 +53,7 @@ async def _measure(address: str, window: float) -> tuple[float, float]:
             d.release()
             rtts.append(time.perf_counter() - t)
         t = time.perf_counter()
-        for i in range(N_STREAM):
+        for _ in range(N_STREAM):
             await ep.stream("echo", chunk, request_id="s")
         stream_s = time.perf_counter() - t
         await anyio.sleep(0.3)
