@@ -4,7 +4,7 @@
 module        what it does
 ============  ===================================================================
 _facade       :class:`Endpoint`: configuration, lifecycle, the public API
-_config       checks every option at construction
+_config       OPTIONS, every option declared once; the checked configuration
 _peers        the peer table: Hello, refusals, liveness, loss, Goodbye
 _handshake    Hello building and checking, refusals, what a peer's Hello offers
 _rings        a same-host peer's control ring: offer, attach, start reading
@@ -27,12 +27,12 @@ _aborts       aborted requests, send guards, forwarding down the pipeline
 _records      one record per peer and per object in flight, per side
 _supervisor   background tasks, outside the caller's cancel scopes
 _core         what the parts share: identity, configuration, sockets, counters
-_stats        route statistics, counters, bounded logging
+_stats        route statistics; COUNTERS, the registry of counter names
 ============  ===================================================================
 """
 
 from ._deliveries import DeliveryStream
 from ._facade import Endpoint
-from ._stats import RouteStats
+from ._stats import COUNTERS, RouteStats
 
-__all__ = ["DeliveryStream", "Endpoint", "RouteStats"]
+__all__ = ["COUNTERS", "DeliveryStream", "Endpoint", "RouteStats"]

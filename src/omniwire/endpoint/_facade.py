@@ -117,7 +117,8 @@ class Endpoint(Receiving):
         self._life = Lifecycle(
             self, core, self._peers, self._sender, self._receiver, self._dispatch
         )
-        #: Named event counts (frames, refusals, peers lost, ...); a missing name reads 0.
+        #: Named event counts: every name of ``omniwire.endpoint.COUNTERS``, from 0 (another
+        #: name raises ``UnknownNameError``).
         self.counters = core.counters
 
     # -- properties -------------------------------------------------------------------

@@ -401,7 +401,7 @@ class Sender:
         with anyio.move_on_after(timeout) as wait:
             await window.acquire(charge)
         if core.observer is not None:
-            core.observer.credit_waited(core.name, peer.name, time.monotonic() - started)
+            core.observer.window_waited(core.name, peer.name, time.monotonic() - started)
         if wait.cancelled_caught:
             self._missed(peer, "window")
             raise AckTimeoutError(
@@ -601,6 +601,7 @@ class Sender:
     async def _credit(self, peer: Peer, record: OutRecord) -> None:
         credits = peer.credits
         if not credits.try_acquire(record.length):
+            self.core.counters["credit_waits"] += 1
             timeout = self.core.config.ack_timeout
             started = time.monotonic()
             with anyio.move_on_after(timeout) as wait:

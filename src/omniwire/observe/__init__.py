@@ -7,7 +7,7 @@ them. With none (the default) the endpoint makes no observer call at all.
 name                     what it does                                       needs
 =======================  =================================================  =====================
 :class:`Observer`        the interface: subclass it to watch sends,         nothing
-                         credit waits and deliveries
+                         credit and window waits, deliveries
 :class:`PrometheusObserver`  Prometheus metrics on a registry you pass       ``omniwire[metrics]``
 :func:`serve_metrics`    serves a registry over HTTP (``/metrics``)         ``omniwire[metrics]``
 :class:`TracingObserver` OpenTelemetry spans around send, transfer and      ``omniwire[tracing]``

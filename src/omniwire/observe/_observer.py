@@ -28,7 +28,7 @@ T = TypeVar("T")
 
 
 class Observer:
-    """Watches endpoints: sends, credit waits, deliveries. Every method is a no-op.
+    """Watches endpoints: sends, credit and window waits, deliveries. Every method is a no-op.
 
     One observer may watch several endpoints (each call names the endpoint).
     """
@@ -61,7 +61,12 @@ class Observer:
         """The call raised ``error`` (cancellation included)."""
 
     def credit_waited(self, endpoint: str, peer: str, seconds: float) -> None:
-        """A send waited ``seconds`` for a credit to ``peer`` (whether it got one or not)."""
+        """A send waited ``seconds`` for a credit to ``peer`` (``max_inflight``,
+        ``max_inflight_bytes``: objects unacknowledged), whether it got one or not."""
+
+    def window_waited(self, endpoint: str, peer: str, seconds: float) -> None:
+        """A send waited ``seconds`` for ``peer``'s byte window (its ``receive_window``:
+        what its application has not taken yet), whether it opened or not."""
 
     def delivered(self, endpoint: str, delivery: Delivery) -> None:
         """The receiver queued ``delivery`` for the application."""
@@ -111,6 +116,10 @@ class Observers(Observer):
     def credit_waited(self, endpoint: str, peer: str, seconds: float) -> None:
         for o in self.observers:
             o.credit_waited(endpoint, peer, seconds)
+
+    def window_waited(self, endpoint: str, peer: str, seconds: float) -> None:
+        for o in self.observers:
+            o.window_waited(endpoint, peer, seconds)
 
     def delivered(self, endpoint: str, delivery: Delivery) -> None:
         for o in self.observers:

@@ -11,6 +11,8 @@ Metrics (labels in braces; an *edge* is ``endpoint`` → ``peer``)::
                                                                   application (histogram)
     omniwire_credit_wait_seconds{endpoint,peer}                   sends that waited for a
                                                                   credit (histogram)
+    omniwire_window_wait_seconds{endpoint,peer}                   sends that waited for the
+                                                                  peer's byte window (histogram)
     omniwire_errors_total{endpoint,side,cause}                    failed sends (side "send")
                                                                   and error or aborted
                                                                   deliveries ("receive")
@@ -158,6 +160,13 @@ class PrometheusObserver(Observer):
             buckets=buckets,
             registry=r,
         )
+        self.window_wait = Histogram(
+            "omniwire_window_wait_seconds",
+            "Sends that waited for the peer's byte window (too much not taken), and how long",
+            ("endpoint", "peer"),
+            buckets=buckets,
+            registry=r,
+        )
         self.errors = Counter(
             "omniwire_errors", "Failed sends and error deliveries, by cause",
             ("endpoint", "side", "cause"), registry=r,
@@ -213,6 +222,9 @@ class PrometheusObserver(Observer):
     def credit_waited(self, endpoint: str, peer: str, seconds: float) -> None:
         self.credit_wait.labels(endpoint, peer).observe(seconds)
 
+    def window_waited(self, endpoint: str, peer: str, seconds: float) -> None:
+        self.window_wait.labels(endpoint, peer).observe(seconds)
+
     def delivered(self, endpoint: str, delivery: Delivery) -> None:
         kind = delivery.kind
         if kind in ("payload", "stream_chunk"):
@@ -241,6 +253,7 @@ class PrometheusObserver(Observer):
             self.received_bytes,
             self.delivery_wait,
             self.credit_wait,
+            self.window_wait,
         ):
             metric.remove_by_labels(edge)
 
