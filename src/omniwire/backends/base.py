@@ -342,6 +342,12 @@ class BackendBase(abc.ABC):
     async def disconnect(self, peer: PeerInfo) -> None:
         """The peer is gone (closed, lost, or restarted): drop what belongs to it."""
 
+    def peer_gone(self, peer: str) -> None:
+        """The session with the endpoint ``peer`` ended (Goodbye, lost, a new
+        instance), whether or not it connected this backend: take back what was lent
+        to it alone (:meth:`hello_to`). Synchronous, before the next Hello addressed
+        to that name is written (which then lends afresh). The default: nothing."""
+
     async def aclose(self) -> None:
         """Release every resource. Idempotent. Handles still alive become inert."""
 
