@@ -467,3 +467,142 @@ def test_a_hello_lending_a_bad_landing_is_refused_with_a_clear_error(
     peer = PeerInfo("bad", 1, 1, "h", "t", Locality.CROSS_HOST, info)
     with pytest.raises(BackendError, match=why):
         blobs.decode_hello(peer, "tcp")
+
+
+# -- landings come back (issue 45) ------------------------------------------------------
+
+
+@asynccontextmanager
+async def _lender_and_two(engine: str, **options: Any) -> AsyncIterator[tuple[Any, Any, Any]]:
+    """A receiver ``b`` and two senders ``a1``, ``a2`` (backends of ``engine``, started,
+    not yet introduced)."""
+    cls = require_backend(engine)
+    opts = {"pool_size": 1 << 20, "landing_size": 1 << 20, **options}
+    made = [cls(BackendContext(n, secrets.randbits(32), opts)) for n in ("b", "a1", "a2")]
+    try:
+        for backend in made:
+            await backend.start()
+        yield made[0], made[1], made[2]
+    finally:
+        with anyio.CancelScope(shield=True):
+            for backend in made:
+                await backend.aclose()
+
+
+async def _introduce(b: Any, a: Any) -> tuple[PeerInfo, PeerInfo]:
+    """Hellos both ways (b lends ``a`` a landing); ``(a as b knows it, b as a knows it)``."""
+    peer_a, peer_b = _info(a, "b"), _info(b, a.ctx.endpoint)
+    await a.connect(peer_b)
+    await b.connect(peer_a)
+    return peer_a, peer_b
+
+
+async def _land(a: Any, peer_b: PeerInfo, data: torch.Tensor) -> Export | None:
+    out = await _packed(a, peer_b, data)
+    try:
+        return await a.land(peer_b, out)  # type: ignore[no-any-return]
+    finally:
+        out.release()
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("engine", ENGINES)
+async def test_a_departed_peers_late_write_never_lands_in_the_next_peers_landing(
+    engine: str,
+) -> None:
+    """a1 is lent a landing, then leaves (its session ends); a2 is lent a fresh one and
+    lands an object there. A write of a1's that comes late (its engine still holds
+    the landing it was lent) does not touch a2's bytes: mooncake's server refuses it
+    (the landing was deregistered), NIXL writes it into a1's old landing, which is
+    lent to nobody while it is quarantined."""
+    async with _lender_and_two(engine) as (b, a1, a2):
+        peer_a1, b_for_a1 = await _introduce(b, a1)
+        first = await _land(a1, b_for_a1, torch.full((4096,), 1, dtype=torch.uint8))
+        assert first is not None
+        old = b._landings.get("a1")
+        imp = await b.import_(peer_a1, first.ref, 4096)  # a delivery still viewing it
+        b.peer_gone("a1")
+        await b.disconnect(peer_a1)
+        assert b.stats().detail["landings_draining"] == 1  # registered while viewed
+        imp.close()
+        detail = b.stats().detail
+        assert (detail["landings_draining"], detail["landings_quarantined"]) == (0, 1)
+        assert detail["landings_returned"] == 1 and detail["landings_lent"] == 0
+        peer_a2, b_for_a2 = await _introduce(b, a2)
+        new = b._landings.get("a2")
+        assert new.token != old.token
+        assert new.addr + new.size <= old.addr or old.addr + old.size <= new.addr  # fresh
+        kept = torch.full((4096,), 2, dtype=torch.uint8)
+        second = await _land(a2, b_for_a2, kept)
+        assert second is not None
+        view = (await b.import_(peer_a2, second.ref, 4096)).buffer
+        # a1's delayed write, through its engine, to where it was lent
+        late = await _land(a1, b_for_a1, torch.full((4096,), 9, dtype=torch.uint8))
+        assert torch.equal(view, kept)  # a2's object is untouched
+        if engine == "mooncake":
+            assert late is None and a1.stats().detail["landing_failed"] == 1  # refused
+        else:  # NIXL wrote it: into the quarantined mapping, lent to nobody
+            assert late is not None
+            assert int((old.memory.tensor == 9).sum()) == 4096
+        assert b.stats().detail["landing_bytes"] == new.size  # only a2's is registered
+        first.release()
+        second.release()
+        if late is not None:
+            late.release()
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("engine", ENGINES)
+async def test_landings_lent_to_peers_that_churn_come_back_and_memory_stays_bounded(
+    engine: str,
+) -> None:
+    """One long-lived sink and 32 short-lived peer names, at most two alive at once,
+    with ``landing_peers=2``: every peer is lent a landing and its object lands (the
+    sink reads nothing); the sink never has more than 2 landings (2 × landing_size)
+    registered, and each departed peer's landing came back."""
+    require_backend(engine)
+    size, peers, names = 256 << 10, 2, 32
+    options = {"landing_size": size, "landing_peers": peers, "pool_size": 1 << 20}
+    sink_options = {**options, "landing_quarantine": 0.0}
+    common: dict[str, Any] = {"address": "tcp://127.0.0.1:0", "backends": [engine]}
+    tag = secrets.token_hex(3)
+    async with Endpoint(
+        f"sink-{tag}", host_id="hs", backend_options={engine: sink_options}, **common
+    ) as sink:
+        alive: list[Endpoint] = []
+        outcomes = []
+        most = 0
+        try:
+            with anyio.fail_after(120):
+                for i in range(names):
+                    ep = Endpoint(
+                        f"stage{i}-{tag}",
+                        host_id=f"h{i}",
+                        routes={sink.name: engine},
+                        backend_options={engine: options},
+                        **common,
+                    )
+                    await ep.start()
+                    alive.append(ep)
+                    ep.add_peer(sink.name, sink.address)
+                    await ep.wait_peer(sink.name)
+                    x = torch.full((16 << 10,), float(i))
+                    receipt = await ep.send(sink.name, x, request_id=f"r{i}")
+                    outcomes.append(receipt.outcome)
+                    d = await sink.receive()
+                    assert d.from_stage == ep.name and torch.equal(d.payload, x)
+                    assert await receipt.settled() == "delivered"
+                    detail = sink.backend(engine).stats().detail
+                    most = max(most, detail["landing_bytes"])
+                    assert detail["landings_lent"] <= peers, detail
+                    if len(alive) == 2:  # the older one leaves
+                        await alive.pop(0).aclose()
+        finally:
+            for ep in alive:
+                await ep.aclose()
+        detail = sink.backend(engine).stats().detail
+    assert outcomes == ["landed"] * names, outcomes
+    assert detail["landed_in"] == names and detail["reads"] == 0, detail
+    assert most <= peers * size, most
+    assert detail["landings_returned"] >= names - peers, detail
+    assert detail["landings_quarantined"] == 0, detail  # quarantine 0: unmapped

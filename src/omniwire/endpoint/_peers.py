@@ -438,6 +438,8 @@ class PeerTable:
             f"peer {peer.name!r} {'closed' if status is PeerStatus.CLOSED else 'was lost'}: {reason}"
         )
         self._on_gone(peer, out, inn, cause, error)
+        for each in core.backends.values():
+            each.peer_gone(peer.name)  # what it lent that peer comes back (landings)
         for name, pinfo in peer.info.items():
             backend = core.backends.get(name)
             if backend is not None:

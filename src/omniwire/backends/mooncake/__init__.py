@@ -28,7 +28,11 @@ as fast). Each read has its own batch id. The ACK frees the slot.
 (:meth:`MooncakeBackend.hello_to`) a *landing* of ``landing_size`` bytes of its
 memory (128 MiB on tcp by default, room for two 64 MiB objects; not pre-faulted:
 tcp registers it without pinning, in microseconds, on the loop; 0 on rdma, where
-it would pin; none past ``landing_peers`` peers, 16 by default), registered once and kept until ``aclose()``. A sender
+it would pin; none past ``landing_peers`` peers, 16 by default), registered when
+the first Hello of a session is written and kept while the session lasts; it comes
+back when the session ends (:class:`~omniwire.backends.landing.Lender`: deregistered
+— the engine's server then refuses a peer's write there — and quarantined for
+``landing_quarantine`` seconds before it is unmapped). A sender
 whose peer lent one writes a complete object there (:meth:`MooncakeBackend.land`:
 one ``batch_transfer_async_write`` per span — the pool slot, or each lent piece —
 submitted and watched as reads are) before it announces it, in a range it allots
@@ -104,7 +108,9 @@ up to this size is registered on the event loop rather than in a worker thread;
 default 64 MiB on tcp, where that takes 4–76 µs against 0.4–0.6 ms for the thread
 hop on 2 loaded cores, and 0 on rdma, where registering pins pages);
 ``landing_size`` (bytes lent to each peer for landed objects; default 128 MiB on
-tcp, 0 on rdma; 0: none), ``landing_peers`` (how many peers get one, default 16);
+tcp, 0 on rdma; 0: none), ``landing_peers`` (how many peers get one at once, default
+16), ``landing_quarantine`` (seconds a landing that came back is lent to nobody
+before it is unmapped, default 60);
 ``timeout`` (seconds a single read may take before it is abandoned; default 60,
 plus 1 s per 100 MB); ``engine`` (an :class:`Engine` object to use instead).
 

@@ -24,7 +24,16 @@ from ..base import (
     Locality,
     PeerInfo,
 )
-from ..landing import LANDING_PEERS, LANDING_SIZE, Lands, land_into, new_token
+from ..landing import (
+    LANDING_PEERS,
+    LANDING_QUARANTINE,
+    LANDING_SIZE,
+    LandedImport,
+    Lands,
+    Lender,
+    LentLanding,
+    land_into,
+)
 from ..pool import Lease, SlotPool
 from ..support import (
     Completions,
@@ -74,18 +83,6 @@ class _Export(Export):
         self.lease.release()
 
 
-class _Landing:
-    """Memory of ours lent to one peer (by name) for its landed objects, registered
-    once, when the first Hello addressed to it is written, and kept until
-    :meth:`MooncakeBackend.aclose` (a peer that comes back after a partition keeps
-    writing into it; its ranges are the peer's to manage)."""
-
-    def __init__(self, memory: Registered) -> None:
-        self.memory = memory
-        self.token = new_token()  # names this landing in references
-        self.info = blobs.Landing(memory.addr, memory.size, self.token)
-
-
 class MooncakeBackend(ByteBackend):
     """Options: ``protocol`` ("tcp" | "rdma"), ``device_name``, ``host``, ``pool_size``
     (bytes, default 64 MiB), ``register_dest`` (bool), ``recv_pool_idle`` (bytes of idle
@@ -130,6 +127,7 @@ class MooncakeBackend(ByteBackend):
             lent = LANDING_SIZE if self.protocol == "tcp" else 0
             self.landing_size = int(opts.get("landing_size", lent))
             self.landing_peers = int(opts.get("landing_peers", LANDING_PEERS))
+            self.landing_quarantine = float(opts.get("landing_quarantine", LANDING_QUARANTINE))
         except (TypeError, ValueError) as exc:
             raise BackendError(f"mooncake: bad options {dict(opts)!r}: {exc}") from None
         if (
@@ -141,11 +139,12 @@ class MooncakeBackend(ByteBackend):
             or self.register_inline < 0
             or self.landing_size < 0
             or self.landing_peers < 0
+            or not self.landing_quarantine >= 0
         ):
             raise BackendError(
                 f"mooncake: bad options {dict(opts)!r} (protocol and host must be non-empty, "
                 "pool_size >= 0, recv_pool_idle >= 0, register_inline >= 0, landing_size >= 0, "
-                "landing_peers >= 0, timeout > 0)"
+                "landing_peers >= 0, landing_quarantine >= 0, timeout > 0)"
             )
         self._given_engine = engine if engine is not None else opts.get("engine")
         self._engine: Engine | None = None
@@ -161,8 +160,6 @@ class MooncakeBackend(ByteBackend):
         #: Copy-mode receive buffers, registered once per block (delivery_buffer).
         self._recv_pool: RegisteredRecvPool[int] | None = None
         self._peers: dict[tuple[str, int], blobs.LandingHello] = {}
-        #: Landings we lent, by the name of the peer they are lent to (receiver side).
-        self._landings: dict[str, _Landing] = {}
         #: Landings peers lent us, by their names (sender side).
         self._lands: dict[str, Lands] = {}
         #: When a write to each session last ended well (see _write).
@@ -182,6 +179,17 @@ class MooncakeBackend(ByteBackend):
             "recv_pool_refused": 0,
             **landing.counters(),
         }
+        #: Landings we lend, by the name of the peer they are lent to (receiver side).
+        self._landings: Lender[Registered] = Lender(
+            "mooncake",
+            size=self.landing_size,
+            peers=self.landing_peers,
+            quarantine=self.landing_quarantine,
+            make=self._new_landing,
+            fence=Registered.fence,
+            unmap=Registered.unmap,
+            counters=self.counters,
+        )
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -273,23 +281,25 @@ class MooncakeBackend(ByteBackend):
                 self._pool_addr,
                 pool.capacity,
                 pieces=True,
-                landing=landing.info,
+                landing=blobs.Landing(landing.addr, landing.size, landing.token),
             )
         )
 
-    def _landing_for(self, peer: str) -> _Landing | None:
-        landing = self._landings.get(peer)
-        if landing is not None or self._engine is None or self._closed:
-            return landing
-        if not self.landing_size or len(self._landings) >= self.landing_peers:
+    def _landing_for(self, peer: str) -> LentLanding[Registered] | None:
+        if self._engine is None or self._closed:
             return None
-        try:  # on the loop: tcp registers unpinned memory in microseconds
-            memory = Registered(self._engine, self.landing_size, populate=False)
-        except BackendError as exc:
-            log.warning("mooncake: no landing for %r: %s", peer, exc)
-            return None
-        landing = self._landings[peer] = _Landing(memory)
-        return landing
+        return self._landings.lend(peer)
+
+    def _new_landing(self, size: int) -> tuple[Registered, int, int]:
+        """A landing's memory: registered, not pre-faulted (on the loop: tcp registers
+        unpinned memory in microseconds)."""
+        memory = Registered(self.engine, size, populate=False)
+        return memory, memory.addr, size
+
+    def peer_gone(self, peer: str) -> None:
+        """``peer``'s session ended: the landing lent to it comes back (fenced, see
+        :class:`~omniwire.backends.landing.Lender`)."""
+        self._landings.gone(peer)
 
     async def connect(self, peer: PeerInfo) -> None:
         hello = self._peers[peer.key] = blobs.decode_hello(peer, self.protocol)
@@ -340,8 +350,7 @@ class MooncakeBackend(ByteBackend):
         if recv is not None:
             cached += recv.close_registered()
         region, self._region = self._region, None
-        landings = [landing.memory for landing in self._landings.values()]
-        self._landings.clear()
+        landings, quarantined = self._landings.close()
         self._lands.clear()
 
         def teardown() -> None:
@@ -360,6 +369,8 @@ class MooncakeBackend(ByteBackend):
                 region.release()
             for memory in landings:  # a late write lands in a mapping kept a while
                 memory.release()
+            for memory in quarantined:  # (fenced already)
+                memory.unmap()
             if recv is not None:
                 recv.clear()
             retired.clear()  # unregistered: the lent tensors' memory may go now
@@ -376,7 +387,7 @@ class MooncakeBackend(ByteBackend):
             "registrations": len(regs) if regs is not None else 0,
             "recv_pool_registrations": self._recv_pool.registrations if self._recv_pool else 0,
             "recv_pool_bytes": self._recv_pool.registered_bytes if self._recv_pool else 0,
-            "landings_lent": len(self._landings),
+            **self._landings.detail(),
             **self.counters,
         }
 
@@ -447,7 +458,7 @@ class MooncakeBackend(ByteBackend):
         its pool, a receive block — that holds ``[addr, addr + nbytes)``, or None:
         what it forwards from there is read (or written) in place, not registered
         again (the engine refuses an overlapping registration)."""
-        owned = [landing.memory for landing in self._landings.values()]
+        owned = [landing.memory for landing in self._landings.registered()]
         if self._region is not None:
             owned.append(self._region)
         for memory in owned:
@@ -591,9 +602,9 @@ class MooncakeBackend(ByteBackend):
             landing = self._landings.get(peer.name)
             if landing is None:
                 raise BackendError(f"{peer.name!r} named a landing this endpoint never lent it")
-            offset, _ = blobs.landed_range(decoded, landing.token, landing.memory.size, peer.name)
+            offset, _ = blobs.landed_range(decoded, landing.token, landing.size, peer.name)
             self.counters["landed_in"] += 1
             view = landing.memory.tensor[offset : offset + nbytes]
-            return Import(self, peer, nbytes, buffer=view)
+            return LandedImport(self, peer, nbytes, self._landings, landing, view)
         spans = blobs.spans(decoded, hello, nbytes, peer.name)
         return SpanImport(self, peer, nbytes, hello.session, spans)

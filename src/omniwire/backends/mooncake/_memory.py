@@ -70,6 +70,21 @@ class Registered:
             log.warning("%s", exc)
         _retire(self.memory)
 
+    def fence(self) -> None:
+        """Unregister (the engine's server then refuses a peer's write here: checked
+        in tests/test_landing.py) and give the pages back; the mapping stays until
+        :meth:`unmap` (a write accepted just before lands in it, not elsewhere).
+
+        Raises:
+            BackendError: the engine could not unregister it.
+        """
+        self.engine.unregister(self.addr)
+        self.memory.discard()
+
+    def unmap(self) -> None:
+        """Drop the mapping of memory :meth:`fence` d."""
+        self.memory.close()
+
 
 def new_pool(engine: Engine, releaser: Releaser) -> SlotPool[Registered]:
     """The backend's slot pool; dedicated buffers are registered for one object."""

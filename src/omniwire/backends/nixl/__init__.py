@@ -39,7 +39,10 @@ from its pool slot or its lent tensors: NIXL's UCX backend flushes the endpoint
 after the puts, so ``DONE`` means the bytes are in the receiver's memory, and the
 send's receipt completes then (outcome ``"landed"``). The receiver READs nothing.
 A WRITE that fails leaves the object for a READ, and its range out of use (whether
-it reached the memory is not known).
+it reached the memory is not known). A landing comes back when its peer's session
+ends, quarantined for ``landing_quarantine`` seconds (UCX writes memory that is no
+longer registered: the quarantine is the fence, see
+:class:`~omniwire.backends.landing.Lender`).
 
 **Shared references** (``Capabilities.shared_refs``): a reference names a pool and
 an offset (or a dedicated region with its metadata), which any peer may read: a
@@ -78,7 +81,9 @@ registered on the event loop rather than in a worker thread, default 4 MiB; meas
 with UCX over tcp: ~50 µs for 1 MiB, ~200 µs for 16 MiB), ``timeout``
 (seconds one read may take, default 30 plus 1 s per 50 MB), ``landing_size`` (bytes
 lent to each peer for landed objects, default 128 MiB; 0: none), ``landing_peers``
-(how many peers get one, default 16), ``agent_factory`` (a
+(how many peers get one at once, default 16), ``landing_quarantine`` (seconds a
+landing that came back is lent to nobody before it is unmapped, default 60),
+``agent_factory`` (a
 callable returning an :class:`Agent` for a name, instead of a NIXL agent).
 
 Environment: UCX reads ``UCX_*`` variables (tests pin ``UCX_NET_DEVICES=lo``);

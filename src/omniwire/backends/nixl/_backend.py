@@ -25,7 +25,16 @@ from ..base import (
     Locality,
     PeerInfo,
 )
-from ..landing import LANDING_PEERS, LANDING_SIZE, Lands, land_into, new_token
+from ..landing import (
+    LANDING_PEERS,
+    LANDING_QUARANTINE,
+    LANDING_SIZE,
+    LandedImport,
+    Lands,
+    Lender,
+    LentLanding,
+    land_into,
+)
 from ..pool import Lease, SlotPool
 from ..support import (
     Completions,
@@ -101,17 +110,6 @@ class _Export(Export):
         self.lease.release()
 
 
-class _Landing:
-    """Host memory of ours lent to one peer (by name) for its landed objects,
-    registered when the first Hello addressed to it is written and kept until
-    :meth:`NixlBackend.aclose` (as mooncake's, see :mod:`~omniwire.backends.landing`)."""
-
-    def __init__(self, memory: Memory) -> None:
-        self.memory = memory
-        self.token = new_token()
-        self.info = blobs.Landing(memory.region, memory.metadata, self.token)
-
-
 class NixlBackend(ByteBackend):
     """NIXL over UCX. Options: see the package docstring."""
 
@@ -150,11 +148,13 @@ class NixlBackend(ByteBackend):
             self._timeout = float(timeout) if timeout is not None else None
             self.landing_size = int(opts.get("landing_size", LANDING_SIZE))
             self.landing_peers = int(opts.get("landing_peers", LANDING_PEERS))
+            self.landing_quarantine = float(opts.get("landing_quarantine", LANDING_QUARANTINE))
         except (TypeError, ValueError) as exc:
             raise BackendError(f"nixl: bad options {dict(opts)!r}: {exc}") from None
-        if self.landing_size < 0 or self.landing_peers < 0:
+        if self.landing_size < 0 or self.landing_peers < 0 or not self.landing_quarantine >= 0:
             raise BackendError(
-                f"nixl: bad options {dict(opts)!r} (landing_size and landing_peers >= 0)"
+                f"nixl: bad options {dict(opts)!r} (landing_size, landing_peers and "
+                "landing_quarantine >= 0)"
             )
         self._factory: AgentFactory = agent_factory or opts.get("agent_factory") or NixlAgent
         self.agent_name = agent_name(ctx.endpoint)
@@ -169,8 +169,6 @@ class NixlBackend(ByteBackend):
         #: Waits for READs started on the event loop (see _reading.SpanImport.fetch).
         self._completions = Completions("omniwire-nixl-completions")
         self._remotes: dict[tuple[str, int], Remote] = {}
-        #: Landings we lent, by the name of the peer they are lent to (receiver side).
-        self._landings: dict[str, _Landing] = {}
         #: Landings peers lent us, by their names (sender side).
         self._lands: dict[str, Lands] = {}
         self._quarantined: list[object] = []  # what a READ that could not be cancelled may hit
@@ -185,6 +183,17 @@ class NixlBackend(ByteBackend):
             "recv_pool_refused": 0,
             **landing.counters(),
         }
+        #: Landings we lend, by the name of the peer they are lent to (receiver side).
+        self._landings: Lender[Memory] = Lender(
+            "nixl",
+            size=self.landing_size,
+            peers=self.landing_peers,
+            quarantine=self.landing_quarantine,
+            make=self._new_landing,
+            fence=Memory.fence,
+            unmap=Memory.unmap,
+            counters=self.counters,
+        )
 
     @classmethod
     def availability(cls) -> Availability:
@@ -279,23 +288,32 @@ class NixlBackend(ByteBackend):
         hello = self._hello
         return blobs.encode(
             blobs.LandingHello(
-                hello.agent, hello.metadata, hello.pools, pieces=True, landing=landing.info
+                hello.agent,
+                hello.metadata,
+                hello.pools,
+                pieces=True,
+                landing=blobs.Landing(
+                    landing.memory.region, landing.memory.metadata, landing.token
+                ),
             )
         )
 
-    def _landing_for(self, peer: str) -> _Landing | None:
-        landing = self._landings.get(peer)
-        if landing is not None or self._agent is None or self._closed:
-            return landing
-        if not self.landing_size or len(self._landings) >= self.landing_peers:
+    def _landing_for(self, peer: str) -> LentLanding[Memory] | None:
+        if self._agent is None or self._closed:
             return None
-        try:  # on the loop: UCX registers unfaulted host memory in tens of microseconds
-            memory = Memory(self._agent, self.landing_size, "DRAM", 0, partial=True, populate=False)
-        except BackendError as exc:
-            log.warning("nixl: no landing for %r: %s", peer, exc)
-            return None
-        landing = self._landings[peer] = _Landing(memory)
-        return landing
+        return self._landings.lend(peer)
+
+    def _new_landing(self, size: int) -> tuple[Memory, int, int]:
+        """A landing's memory: registered, not pre-faulted (on the loop: UCX registers
+        unfaulted host memory in tens of microseconds)."""
+        memory = Memory(self._live_agent(), size, "DRAM", 0, partial=True, populate=False)
+        return memory, memory.region.addr, memory.region.length
+
+    def peer_gone(self, peer: str) -> None:
+        """``peer``'s session ended: the landing lent to it comes back (fenced, see
+        :class:`~omniwire.backends.landing.Lender`: for NIXL the quarantine is the
+        fence, UCX writes memory that is no longer registered)."""
+        self._landings.gone(peer)
 
     def _live_agent(self) -> Agent:
         if self._closed:
@@ -386,8 +404,7 @@ class NixlBackend(ByteBackend):
         cached = self._registrations.clear() if self._registrations is not None else []
         recv, self._recv_pool = self._recv_pool, None
         received = recv.close_registered() if recv is not None else []
-        landings = [landing.memory for landing in self._landings.values()]
-        self._landings.clear()
+        landings, quarantined = self._landings.close()
         self._lands.clear()
 
         def teardown() -> None:
@@ -408,6 +425,8 @@ class NixlBackend(ByteBackend):
                 pool.memory.release()
             for memory in landings:
                 memory.release()
+            for memory in quarantined:  # (deregistered already)
+                memory.unmap()
             agent.close()
 
         await anyio.to_thread.run_sync(teardown)
@@ -422,7 +441,7 @@ class NixlBackend(ByteBackend):
             "recv_pool_registrations": self._recv_pool.registrations if self._recv_pool else 0,
             "recv_pool_bytes": self._recv_pool.registered_bytes if self._recv_pool else 0,
             "reads_on_loop": self._completions.waited,
-            "landings_lent": len(self._landings),
+            **self._landings.detail(),
             **self.counters,
         }
         for pool in self._pools:
@@ -603,7 +622,7 @@ class NixlBackend(ByteBackend):
         """The registration of a landing this backend lent that holds ``[addr, addr +
         nbytes)``, or None: what it forwards from there is read (or written) in place
         with that registration's metadata, not registered again."""
-        for lent in self._landings.values():
+        for lent in self._landings.registered():
             memory = lent.memory
             region = memory.region
             if (
@@ -725,14 +744,14 @@ class NixlBackend(ByteBackend):
         if remote is None or not remote.alive:
             raise BackendError(f"{peer.name!r} did not announce nixl in its Hello")
         landing = self._landings.get(peer.name)
-        token, size = (landing.token, landing.memory.region.length) if landing else (0, 0)
+        token, size = (landing.token, landing.size) if landing else (0, 0)
         landed = blobs.landed_range(ref, token, size, nbytes, peer.name)
         if landed is not None:
             assert landing is not None
             offset, _ = landed
             self.counters["landed_in"] += 1
             view = landing.memory.tensor[offset : offset + nbytes]
-            return Import(self, peer, nbytes, buffer=view)
+            return LandedImport(self, peer, nbytes, self._landings, landing, view)
         spans, lents = blobs.resolve(ref, remote.pools, nbytes, peer.name)
         loaded: list[Loaded] = []
         try:

@@ -57,6 +57,25 @@ class Memory:
             self.registration = None
         self._drop()
 
+    def fence(self) -> None:
+        """Deregister and give the pages back, the mapping kept until :meth:`unmap`:
+        UCX's tcp and shared-memory transports write an address they are given,
+        registered or not (checked in tests/test_landing.py), so a late write lands
+        in this mapping — lent to nobody — rather than in memory mapped anew.
+
+        Raises:
+            BackendError: NIXL could not deregister it.
+        """
+        if self.registration is not None:
+            registration, self.registration = self.registration, None
+            self.agent.deregister(registration)
+        if self.host is not None:
+            self.host.discard()
+
+    def unmap(self) -> None:
+        """Drop the mapping of memory :meth:`fence` d."""
+        self._drop()
+
     def _drop(self) -> None:
         self.tensor = torch.empty(0, dtype=torch.uint8)
         if self.host is not None:
