@@ -17,6 +17,8 @@ peers: no peer holds more than an equal share of it while another peer waits.
 
 from __future__ import annotations
 
+import math
+import time
 from collections import deque
 from collections.abc import Callable, Hashable
 
@@ -41,6 +43,35 @@ class _Fifo:
 
     def __init__(self) -> None:
         self._waiters: deque[_Waiter] = deque()
+        #: bytes given back in all, and when last (``time.monotonic()``; 0.0: never)
+        self.returned = 0
+        self.returned_at = 0.0
+
+    def _returned(self, nbytes: int) -> None:
+        self.returned += nbytes
+        self.returned_at = time.monotonic()
+
+    def stalled(self, patience: float) -> str:
+        """Why ``acquire(…, patience)`` returned False, for an error message."""
+        raise NotImplementedError
+
+    def _history(self) -> str:
+        if not self.returned_at:
+            return "it gave back nothing since the session began"
+        ago = time.monotonic() - self.returned_at
+        return f"it gave back {self.returned} bytes in all, the last {ago:.1f} s ago"
+
+    async def _until(self, waiter: _Waiter, patience: float, started: float) -> bool:
+        """Wait for ``waiter``'s event while the budget keeps giving something back:
+        False when nothing came back for ``patience`` seconds (since the wait began,
+        ``started``, or since the last return, whichever is later)."""
+        while True:
+            left = max(started, self.returned_at) + patience - time.monotonic()
+            if left <= 0:
+                return False
+            with anyio.move_on_after(left):
+                await waiter.event.wait()
+                return True
 
     def _fits(self, nbytes: int) -> bool:
         raise NotImplementedError
@@ -64,26 +95,33 @@ class _Fifo:
         self._take(nbytes)
         return True
 
-    async def acquire(self, nbytes: int) -> None:
-        """Wait until ``nbytes`` fit, then take them. Cancellation leaves nothing held."""
+    async def acquire(self, nbytes: int, patience: float = math.inf) -> bool:
+        """Wait until ``nbytes`` fit, then take them; True. False (nothing taken) when
+        nothing came back for ``patience`` seconds: the wait goes on as long as the
+        budget is being given back. Cancellation leaves nothing held."""
         if self.try_acquire(nbytes):
-            return
+            return True
         waiter = _Waiter(nbytes)
         self._waiters.append(waiter)
+        started = time.monotonic()
         try:
-            while True:
-                await waiter.event.wait()
+            while await self._until(waiter, patience, started):
                 if self._waiters[0] is waiter and self._fits(nbytes):
                     self._waiters.popleft()
                     self._take(nbytes)
                     self._wake()  # the next one may fit too
-                    return
+                    return True
                 waiter.event = anyio.Event()
         except BaseException:
-            if waiter in self._waiters:
-                self._waiters.remove(waiter)
-                self._wake()
+            self._leave(waiter)
             raise
+        self._leave(waiter)
+        return False
+
+    def _leave(self, waiter: _Waiter) -> None:
+        if waiter in self._waiters:
+            self._waiters.remove(waiter)
+            self._wake()
 
     def _wake(self) -> None:
         if self._waiters and self._fits(self._waiters[0].nbytes):
@@ -116,7 +154,15 @@ class Credits(_Fifo):
         self.count -= 1
         self.bytes -= nbytes
         assert self.count >= 0 and self.bytes >= 0, "credit released twice"
+        self._returned(nbytes)
         self._wake()
+
+    def stalled(self, patience: float) -> str:
+        return (
+            f"acknowledged no object within {patience:g} s, and no credit is left to send "
+            f"it more: {self.count} objects ({self.bytes} bytes) are unacknowledged "
+            f"({self._history()})"
+        )
 
 
 class Window(_Fifo):
@@ -151,27 +197,38 @@ class Window(_Fifo):
             return True
         return False
 
-    async def acquire(self, nbytes: int) -> None:
-        """Wait until ``nbytes`` fit, then take them (handed over by :meth:`_wake`).
-        Cancellation leaves nothing held."""
+    async def acquire(self, nbytes: int, patience: float = math.inf) -> bool:
+        """Wait until ``nbytes`` fit, then take them (handed over by :meth:`_wake`);
+        True. False (nothing taken) when the peer reopened nothing for ``patience``
+        seconds. Cancellation leaves nothing held."""
         if self.try_acquire(nbytes):
-            return
+            return True
         waiter = _Waiter(nbytes)
         self._waiters.append(waiter)
         try:
-            await waiter.event.wait()
+            if await self._until(waiter, patience, time.monotonic()) or waiter.granted:
+                return True
         except BaseException:
             if waiter.granted:  # handed its charge, then cancelled: it goes back
                 self.reopen(nbytes)
             else:
-                self._waiters.remove(waiter)
-                self._wake()
+                self._leave(waiter)
             raise
+        self._leave(waiter)
+        return False
 
     def reopen(self, increment: int) -> None:
         """The peer took ``increment`` bytes of charge; more than it was charged is ignored."""
         self.available = min(self.size, self.available + increment)
+        self._returned(increment)
         self._wake()
+
+    def stalled(self, patience: float) -> str:
+        return (
+            f"reopened no flow-control window within {patience:g} s: its application took "
+            f"nothing of the {self.size - self.available} bytes outstanding in that time "
+            f"({self._history()})"
+        )
 
     def _wake(self) -> None:
         """Hand the window, at once and in order, to every waiter at the head that it
@@ -194,19 +251,22 @@ class ReceiveWindow:
     the window it was granted (it ends its own session). :meth:`credit` when what the
     message carried left this endpoint (taken by the application, or dropped);
     returns the increment to announce in a WindowMessage now, or 0: returns are
-    batched until a quarter of the window is free. What is left when the peer holds
-    nothing here goes at the next :meth:`flush` (a few times a second), so a sender
-    waiting to send one message larger than what is free is told — without a
+    batched until a quarter of the window is free. Whatever came back and is not yet
+    announced goes at a :meth:`flush` (the housekeeping tick, a few times a second),
+    so the peer learns of every byte its application took within two ticks —
+    a consumer taking one small message a second keeps its sender going (it waits
+    as long as something comes back: ``Window.acquire``'s ``patience``) — without a
     WindowMessage per message of a request/reply exchange.
     """
 
-    __slots__ = ("held", "on_reopen", "quarter", "size", "unreported")
+    __slots__ = ("held", "on_reopen", "quarter", "recent", "size", "unreported")
 
     def __init__(self, size: int) -> None:
         self.size = size
         self.quarter = size // 4
         self.held = 0  # charge of the peer's messages still here
         self.unreported = 0  # charge given back and not yet announced to the peer
+        self.recent = False  # a quarter was announced since the last flush
         #: Called with the increment when :meth:`give` makes a WindowMessage due.
         self.on_reopen: Callable[[int], None] | None = None
 
@@ -220,6 +280,7 @@ class ReceiveWindow:
         self.unreported += nbytes
         if self.unreported >= self.quarter:
             increment, self.unreported = self.unreported, 0
+            self.recent = True
             return increment
         return 0
 
@@ -230,13 +291,18 @@ class ReceiveWindow:
         unreported = self.unreported + nbytes
         if unreported >= self.quarter and self.on_reopen is not None:
             self.unreported = 0
+            self.recent = True
             self.on_reopen(unreported)
         else:
             self.unreported = unreported
 
     def flush(self) -> int:
-        """The increment to announce now that the peer holds nothing here (else 0)."""
-        if self.held or not self.unreported:
+        """The increment to announce now (or 0): all that came back since the last,
+        unless the peer still holds some here and was told of a quarter since the last
+        flush (a consumer that keeps up needs no more): so what came back is
+        announced within two flushes."""
+        recent, self.recent = self.recent, False
+        if not self.unreported or (recent and self.held):
             return 0
         increment, self.unreported = self.unreported, 0
         return increment

@@ -117,8 +117,8 @@ class Receiver:
             self._reopen(peer, increment)  # (a past session's charge: its window is gone)
 
     def flush_windows(self) -> None:
-        """Tell each peer that holds nothing here what came back since its last
-        WindowMessage (a few times a second: see ReceiveWindow)."""
+        """Tell each peer what came back since its last WindowMessage (a few times a
+        second: see ReceiveWindow)."""
         for peer in self.peers.all():
             self._reopen(peer, peer.rwindow.flush())
 

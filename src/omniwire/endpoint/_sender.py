@@ -38,6 +38,7 @@ from ..errors import (
     PeerUnresponsiveError,
     RequestAbortedError,
 )
+from ..flow import Credits, Window
 from ..routing import INLINE, PayloadInfo, Route
 from ._buffers import DropOnce, TransportBuffer
 from ._core import Core
@@ -386,29 +387,32 @@ class Sender:
 
     async def _window(self, peer: Peer, charge: int) -> None:
         """Take ``charge`` of the peer's window (spec §7.6), waiting while its
-        application has not taken what we sent before.
+        application has not taken what we sent before (:meth:`_wait`)."""
+        if not peer.window.try_acquire(charge):
+            await self._wait(peer, peer.window, charge)
+
+    async def _wait(self, peer: Peer, budget: Window | Credits, nbytes: int) -> None:
+        """Wait for ``nbytes`` of the peer's window or credits, counted (``window_waits``,
+        ``credit_waits``), for as long as the peer gives something back at least every
+        ``ack_timeout`` seconds (a consumer that is slow but takes is not a dead one).
 
         Raises:
-            AckTimeoutError: the window stayed closed for ``ack_timeout`` seconds.
+            AckTimeoutError: nothing came back for ``ack_timeout`` seconds (it says
+                what came back before, and when).
         """
-        window = peer.window
-        if window.try_acquire(charge):
-            return
         core = self.core
-        core.counters["window_waits"] += 1
+        window = isinstance(budget, Window)
+        core.counters["window_waits" if window else "credit_waits"] += 1
         timeout = core.config.ack_timeout
         started = time.monotonic()
-        with anyio.move_on_after(timeout) as wait:
-            await window.acquire(charge)
+        acquired = await budget.acquire(nbytes, patience=timeout)
         if core.observer is not None:
-            core.observer.window_waited(core.name, peer.name, time.monotonic() - started)
-        if wait.cancelled_caught:
-            self._missed(peer, "window")
-            raise AckTimeoutError(
-                f"{peer.name!r} reopened no flow-control window within {timeout:g} s: its "
-                f"application took nothing of the {window.size - window.available} bytes "
-                "outstanding"
-            )
+            told = core.observer.window_waited if window else core.observer.credit_waited
+            told(core.name, peer.name, time.monotonic() - started)
+        if not acquired:
+            if window:
+                self._missed(peer, "window")  # PeerUnresponsiveError
+            raise AckTimeoutError(f"{peer.name!r} {budget.stalled(timeout)}")
 
     def _missed(self, peer: Peer, what: str) -> None:
         """``peer`` missed a deadline (an ACK, a window): one more in a row. A peer on
@@ -599,22 +603,9 @@ class Sender:
             raise failure[0]
 
     async def _credit(self, peer: Peer, record: OutRecord) -> None:
-        credits = peer.credits
-        if not credits.try_acquire(record.length):
-            self.core.counters["credit_waits"] += 1
-            timeout = self.core.config.ack_timeout
-            started = time.monotonic()
-            with anyio.move_on_after(timeout) as wait:
-                await credits.acquire(record.length)
-            observer = self.core.observer
-            if observer is not None:
-                observer.credit_waited(self.core.name, peer.name, time.monotonic() - started)
-            if wait.cancelled_caught:
-                raise AckTimeoutError(
-                    f"no credit to send to {peer.name!r} within {timeout:g} s: {credits.count} "
-                    f"objects ({credits.bytes} bytes) are unacknowledged"
-                )
-        record.credits = credits
+        if not peer.credits.try_acquire(record.length):
+            await self._wait(peer, peer.credits, record.length)
+        record.credits = peer.credits
 
     def _piece(self, peer: Peer, backend: ByteBackend, info: Any, nbytes: int) -> int:
         """The progressive piece size of an object of ``nbytes`` for ``peer`` on
