@@ -117,6 +117,62 @@ def test_the_readme_counter_list_is_the_registry() -> None:
     )
 
 
+@pytest.mark.asyncio
+async def test_sends_of_buffers_born_in_shm_are_counted_in_the_backends_stats() -> None:
+    """``ep.backend("shm").stats()`` after 50 sends of ``ep.empty`` buffers read
+    exports=0, imports=0 (live handles, all gone) and nothing said what was carried."""
+    n, shape = 50, (64, 1024)
+    nbytes = 64 * 1024 * 4
+    async with Endpoint("b") as b, Endpoint("a", peers={"b": b.address}, routes={"b": "shm"}) as a:
+        await a.wait_peer("b")
+        for i in range(n):
+            buf = await a.empty("b", shape)
+            buf.tensor.fill_(i)
+            receipt = await a.send("b", buf.tensor, request_id=f"r{i}")
+            d = await b.receive(timeout=10)
+            assert torch.equal(d.payload, torch.full(shape, float(i)))
+            await receipt.wait()
+            buf.release()
+        sent, got = a.backend("shm").stats(), b.backend("shm").stats()
+        assert (sent.exports, got.imports) == (0, 0)  # nothing live any more
+        assert (sent.objects_sent, sent.bytes_sent) == (n, n * nbytes)
+        assert (got.objects_received, got.bytes_received) == (n, n * nbytes)
+        assert (sent.objects_received, got.objects_sent) == (0, 0)
+
+
+@pytest.mark.asyncio
+async def test_one_abort_counts_once_at_each_endpoint_of_a_chain() -> None:
+    """encoder → thinker → talker; the encoder aborts a request the three saw. Each
+    hears of it up to three ways (broadcast, direct, forwarded); ``aborts`` counts the
+    request once per endpoint, and an abort of it heard again later adds nothing."""
+    async with (
+        Endpoint("talker") as talker,
+        Endpoint("thinker", peers={"talker": talker.address}) as thinker,
+        Endpoint("encoder", peers={"thinker": thinker.address}) as encoder,
+    ):
+        await encoder.wait_peer("thinker")
+        await thinker.wait_peer("talker")
+        await talker.wait_peer("thinker")
+        await thinker.wait_peer("encoder")
+        await encoder.send("thinker", torch.ones(4), request_id="r")
+        d = await thinker.receive(timeout=10)
+        await thinker.send("talker", d.payload, request_id="r")
+        await talker.receive(timeout=10)
+        # talker → thinker → encoder also saw it: replies flow back up the chain
+        await talker.stream("thinker", torch.ones(2), request_id="r")
+        await thinker.receive(timeout=10)
+        chain = (encoder, thinker, talker)
+        await encoder.abort("r", "enough")
+        await _until(lambda: all(ep.counters["aborts"] for ep in chain), "the abort everywhere")
+        await thinker.abort("r")  # heard again, from the middle: the same request
+        await talker.abort("r")
+        # every copy of those aborts arrives well within this (one process, ipc)
+        await asyncio.sleep(0.5)
+        assert [ep.counters["aborts"] for ep in chain] == [1, 1, 1]
+        await encoder.abort("other")  # a request nobody saw is still one abort here
+        await _until(lambda: encoder.counters["aborts"] == 2, "the second abort")
+
+
 class _Waits(Observer):
     def __init__(self) -> None:
         self.credit: list[str] = []

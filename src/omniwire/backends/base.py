@@ -142,13 +142,21 @@ class BackendContext:
 
 @dataclass(frozen=True)
 class BackendStats:
-    """What a backend holds. ``exports`` and ``imports`` are the live handles, counted
-    by the base class; after every object was acknowledged both are 0."""
+    """What a backend holds and what it carried, counted by the base class.
+    ``exports`` and ``imports`` are the live handles: after every object was
+    acknowledged both are 0. The totals count since the backend started."""
 
     exports: int
     imports: int
     #: Backend-specific counters (bytes in use, segments, registrations, …).
     detail: Mapping[str, int] = field(default_factory=dict)
+    #: Objects this endpoint announced through the backend, and their bytes: each
+    #: target of a fan-out, each send of an ``Endpoint.empty`` buffer, each forward.
+    objects_sent: int = 0
+    bytes_sent: int = 0
+    #: Objects it imported (received from peers), and their bytes.
+    objects_received: int = 0
+    bytes_received: int = 0
 
     @property
     def idle(self) -> bool:
@@ -234,6 +242,8 @@ class Import:
         self.value = value
         self._closed = False
         backend._live_imports += 1
+        backend._received[0] += 1
+        backend._received[1] += nbytes
 
     async def fetch(self, lo: int, hi: int, dest: torch.Tensor | None = None) -> None:
         """Make bytes ``[lo, hi)`` available: in ``dest[lo:hi]`` if given, else in
@@ -302,6 +312,8 @@ class BackendBase(abc.ABC):
         self.ctx = ctx
         self._live_exports = 0
         self._live_imports = 0
+        self._sent = [0, 0]  # objects, bytes (note_sent)
+        self._received = [0, 0]  # (counted by Import)
 
     @classmethod
     def availability(cls) -> Availability:
@@ -352,8 +364,21 @@ class BackendBase(abc.ABC):
         """Release every resource. Idempotent. Handles still alive become inert."""
 
     def stats(self) -> BackendStats:
-        """Live handles (counted here) and the backend's own :meth:`detail` counters."""
-        return BackendStats(self._live_exports, self._live_imports, self.detail())
+        """Live handles and totals (counted here), and the backend's own :meth:`detail`
+        counters."""
+        return BackendStats(
+            self._live_exports,
+            self._live_imports,
+            self.detail(),
+            *self._sent,
+            *self._received,
+        )
+
+    def note_sent(self, nbytes: int) -> None:
+        """The endpoint announced an object of ``nbytes`` through this backend (for
+        :meth:`stats`; whatever export, share or landing carried it)."""
+        self._sent[0] += 1
+        self._sent[1] += nbytes
 
     def detail(self) -> dict[str, int]:
         """Backend-specific counters for ``stats()`` (override; default none)."""

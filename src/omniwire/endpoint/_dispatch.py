@@ -334,7 +334,8 @@ class Dispatcher:
         this endpoint hears of the request's abort, pass it on."""
         core = self.core
         first = core.aborts.remember(request_id, origin, reason)
-        core.counters["aborts"] += 1
+        if first:  # a request once: it may come back broadcast, direct and forwarded
+            core.counters["aborts"] += 1
         error = RequestAbortedError(
             f"request {request_id!r} was aborted by {origin!r}" + (f": {reason}" if reason else "")
         )

@@ -561,6 +561,7 @@ class Sender:
                     unaccount(peer, request_id, chunk_id)
             raise
         stats.count += 1
+        backend.note_sent(nbytes)
         stats.nbytes += nbytes
         if landed:
             record.receipt.land()
