@@ -14,6 +14,7 @@ import json
 import os
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -49,13 +50,17 @@ def build_config(base_path: str):  # -> PipelineConfig
     )
 
 
-async def run(chunks: list[int], requests: int, timeout: float) -> dict[str, object]:
+async def run(
+    chunks: list[int], requests: int, timeout: float, timing: dict[str, float]
+) -> dict[str, object]:
     from sglang_omni.pipeline.mp_runner import MultiProcessPipelineRunner
     from sglang_omni.proto.request import OmniRequest
 
     with tempfile.TemporaryDirectory(prefix="sgo-") as base:
         runner = MultiProcessPipelineRunner(build_config(base))
+        t0 = time.monotonic()
         await runner.start(timeout=timeout)
+        timing["start_s"] = round(time.monotonic() - t0, 2)
         results: dict[str, object] = {}
         try:
             for i in range(requests):
@@ -66,8 +71,11 @@ async def run(chunks: list[int], requests: int, timeout: float) -> dict[str, obj
                     results[rid] = normalize(out)
                 except Exception as exc:
                     results[rid] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+            timing["requests_s"] = round(time.monotonic() - t0 - timing["start_s"], 2)
         finally:
+            t1 = time.monotonic()
             await runner.stop()
+            timing["stop_s"] = round(time.monotonic() - t1, 2)
         return results
 
 
@@ -93,8 +101,13 @@ def main(argv: list[str] | None = None) -> int:
         [str(HERE), *filter(None, [os.environ.get("PYTHONPATH")])]
     )
     chunks = args.chunk if args.chunk is not None else [64]
-    results = asyncio.run(run(chunks, args.requests, args.timeout))
-    print(json.dumps({"omniwire": args.omniwire, "chunks": chunks, "results": results}))
+    timing: dict[str, float] = {}
+    results = asyncio.run(run(chunks, args.requests, args.timeout, timing))
+    print(
+        json.dumps(
+            {"omniwire": args.omniwire, "chunks": chunks, "timing": timing, "results": results}
+        )
+    )
     return 0
 
 

@@ -1,0 +1,256 @@
+"""omniwire.integrations.sglang_omni on the real sglang-omni 0.1.9.
+
+sglang-omni is installed without its dependency tree (``pip install --no-deps
+sglang-omni==0.1.9`` plus the light packages its comm/, relay/, pipeline/ and
+scheduling/ modules import: ``make setup`` does it). Its GPU engine ``sglang`` cannot
+be installed on a CPU machine (CUDA builds of torch, flashinfer, sgl-kernel), and
+sglang-omni's ``platforms`` module imports it at load to pick the device platform:
+the ``sglang_cpu_fixture`` below puts ``tests/sglang_cpu_stub`` (a CPU-only
+``sglang.srt.platforms`` and two helpers, nothing else) on the path, for this
+process and the stage processes, only when the real ``sglang`` is not importable.
+Without sglang-omni the module is skipped, or fails under OMNIWIRE_REQUIRE_ENGINES=1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+STUB = ROOT / "tests" / "sglang_cpu_stub"
+EXAMPLE = ROOT / "examples" / "sglang_omni" / "pipeline.py"
+
+if importlib.util.find_spec("sglang_omni") is None:
+    reason = "sglang-omni is not installed (pip install --no-deps sglang-omni==0.1.9)"
+    if os.environ.get("OMNIWIRE_REQUIRE_ENGINES") == "1":
+        raise RuntimeError(reason + " (OMNIWIRE_REQUIRE_ENGINES=1: it must be)")
+    pytest.skip(reason, allow_module_level=True)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def sglang_cpu_fixture():  # type: ignore[no-untyped-def]
+    """The CPU stand-in for ``sglang`` where the real one is missing (see the module doc)."""
+    added = importlib.util.find_spec("sglang") is None
+    old = os.environ.get("PYTHONPATH")
+    if added:
+        sys.path.insert(0, str(STUB))
+        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(STUB), old]))
+    yield
+    if added:
+        sys.path.remove(str(STUB))
+        if old is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = old
+
+
+@pytest.fixture
+def enabled():  # type: ignore[no-untyped-def]
+    import omniwire.integrations.sglang_omni as sgo
+
+    sgo.enable()
+    yield sgo
+    sgo.disable()
+
+
+def cpu_router():  # type: ignore[no-untyped-def]
+    from sglang_omni.comm.router import CommRouter
+
+    return CommRouter(
+        stage_name="src", gpu_id=None, same_process_targets=set(), gpu_stage_names=set()
+    )
+
+
+def test_cpu_stream_chunk_to_cpu_stage_routes_by_shm(enabled) -> None:  # type: ignore[no-untyped-def]
+    from sglang_omni.comm.data_ref import TransportKind
+
+    chunk = torch.zeros(65536, dtype=torch.uint8)
+    assert cpu_router().outbound_stream("far", chunk) is TransportKind.SHM
+    enabled.disable()
+    with pytest.raises(ValueError, match="cannot be sent from 'src' to non-GPU target 'far'"):
+        cpu_router().outbound_stream("far", chunk)
+
+
+def test_registry_names_create_omniwire_relays(enabled) -> None:  # type: ignore[no-untyped-def]
+    from sglang_omni.relay.base import create_relay
+
+    from omniwire.integrations.sglang_omni._relay import OmniwireRelay
+
+    for name in ("shm", "mooncake"):
+        relay = create_relay(name, engine_id="x_relay", device="cpu", slot_size_mb=512, credits=2)
+        assert isinstance(relay, OmniwireRelay)
+        assert relay.kind == name
+    enabled.disable()
+    assert not isinstance(create_relay("shm", engine_id="x_relay", device="cpu"), OmniwireRelay)
+
+
+def test_version_outside_the_series_is_refused(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    from omniwire.integrations.sglang_omni import _compat
+
+    monkeypatch.setattr(_compat, "installed_version", lambda: "0.2.0")
+    with pytest.raises(_compat.SglangOmniCompatibilityError, match=r"sglang-omni 0\.2\.0.*0\.1\.x"):
+        _compat.check()
+
+
+def test_a_changed_internal_name_is_named(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    from sglang_omni.comm.router import CommRouter
+
+    import omniwire.integrations.sglang_omni as sgo
+
+    monkeypatch.delattr(CommRouter, "outbound_stream")
+    with pytest.raises(
+        sgo.SglangOmniCompatibilityError, match=r"CommRouter\.outbound_stream is gone"
+    ):
+        sgo.enable()
+    assert not sgo.enabled()
+
+    monkeypatch.undo()
+
+    async def changed(self, target):  # type: ignore[no-untyped-def]
+        return None
+
+    monkeypatch.setattr(CommRouter, "outbound_stream", changed)
+    with pytest.raises(sgo.SglangOmniCompatibilityError, match="changed its parameters"):
+        sgo.enable()
+
+
+@pytest.mark.asyncio
+async def test_small_tensor_travels_in_the_relay_metadata() -> None:
+    """No endpoint is needed at all: the bytes are in the metadata sglang-omni sends."""
+    from omniwire.integrations.sglang_omni._relay import OmniwireRelay
+
+    relay = OmniwireRelay(engine_id="nobody_relay")
+    src = torch.arange(1024, dtype=torch.uint8)
+    op = await relay.put_async(src, request_id="r1", receiver_id="far")
+    assert op.metadata["transfer_info"]["inline"] == src.numpy().tobytes()
+    dest = torch.zeros(1024, dtype=torch.uint8)
+    got = await relay.get_async(op.metadata, dest, request_id="r1")
+    await got.wait_for_completion()
+    assert torch.equal(dest, src)
+
+
+async def _two_wires(tmp_path: Path):  # type: ignore[no-untyped-def]
+    from omniwire import Endpoint
+    from omniwire.integrations.sglang_omni._wire import StageWire, endpoint_options
+
+    addrs = {s: f"ipc://{tmp_path}/{s}.ow" for s in ("src", "far")}
+    wires = []
+    for s in ("src", "far"):
+        ep = Endpoint(
+            s,
+            address=addrs[s],
+            peers={o: a for o, a in addrs.items() if o != s},
+            **endpoint_options(gpu=False, remote=False),
+        )
+        w = StageWire(ep, f"{s}_relay")
+        await w.start()
+        wires.append(w)
+    await wires[0].ep.wait_peer("far", timeout=10)
+    return wires
+
+
+@pytest.mark.asyncio
+async def test_large_tensor_through_omniwire_and_abort(tmp_path: Path) -> None:
+    from omniwire.errors import RequestAbortedError
+    from omniwire.integrations.sglang_omni._relay import OmniwireRelay
+
+    src_wire, far_wire = await _two_wires(tmp_path)
+    try:
+        sender, receiver = OmniwireRelay("src_relay"), OmniwireRelay("far_relay")
+        data = torch.randint(0, 255, (1 << 20,), dtype=torch.uint8)
+        op = await sender.put_async(data, request_id="r1", receiver_id="far")
+        info = op.metadata["transfer_info"]
+        assert "inline" not in info and info["from"] == "src" and info["address"]
+        dest = torch.zeros(1 << 20, dtype=torch.uint8)
+        got = await receiver.get_async(op.metadata, dest, request_id="r1")
+        await got.wait_for_completion(timeout=10)
+        assert torch.equal(dest, data)
+        op.mark_receiver_done()
+        await op.wait_for_completion(timeout=10)  # the omniwire ACK came
+
+        # A stream chunk's object id maps to its request; an abort releases it on
+        # both sides and fails the receiver's read instead of letting it wait.
+        op2 = await sender.put_async(data, request_id="r2:stream:src:far:0:0", receiver_id="far")
+        sender.abort("r2")
+        await op2.wait_for_completion(timeout=10)  # aborted: released, not an error
+        for _ in range(200):  # the abort travels to far (bounded: 10 s)
+            if "r2" in far_wire.failed:
+                break
+            await asyncio.sleep(0.05)
+        assert not far_wire.arrived  # what had arrived of r2 was released
+        got2 = await receiver.get_async(op2.metadata, dest, request_id="r2:stream:src:far:0:0")
+        with pytest.raises(RequestAbortedError):
+            await got2.wait_for_completion(timeout=10)
+    finally:
+        await src_wire.aclose()
+        await far_wire.aclose()
+
+
+def test_pth_hook_enables_on_import_of_the_stage_runtime(tmp_path: Path) -> None:
+    from omniwire.integrations.sglang_omni.__main__ import main
+
+    assert main(["install-pth", "--site", str(tmp_path)]) == 0
+    code = (
+        f"import site; site.addsitedir({str(tmp_path)!r}); "
+        "import sglang_omni.pipeline.stage.runtime; "
+        "from sglang_omni.relay.base import RELAY_REGISTRY; "
+        "import omniwire.integrations.sglang_omni as s; "
+        "print(getattr(RELAY_REGISTRY.get('shm'), '__name__', None), s.enabled())"
+    )
+    for flag, expected in (("1", "OmniwireShmRelay True"), ("0", "None False")):
+        env = {**os.environ, "OMNIWIRE_SGLANG_OMNI": flag, "OMP_NUM_THREADS": "1"}
+        out = subprocess.run(
+            [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+        )
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert out.stdout.strip().endswith(expected), out.stdout
+
+
+def digest(t: torch.Tensor) -> str:
+    return hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()[:16]
+
+
+def run_example(*args: str) -> dict[str, object]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "SGLANG_OMNI_STARTUP_TIMEOUT": "120"}
+    out = subprocess.run(
+        [sys.executable, str(EXAMPLE), "--requests", "2", "--timeout", "120", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
+    assert out.returncode == 0, out.stderr[-4000:]
+    print(out.stdout)  # CI's log shows both runs' results
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_toy_pipeline_same_results_with_omniwire() -> None:
+    """src → near (same process) and → far (another process), and a stream to far.
+
+    sglang-omni alone succeeds with the 64-byte chunk (it travels inline in its own
+    message) and kills the source stage with the 64 KiB one (``outbound_stream``'s
+    ValueError); with omniwire both succeed and agree with sglang-omni alone.
+    """
+    alone = run_example("--chunk", "64")
+    wired = run_example("--omniwire", "--chunk", "64", "--chunk", "65536")
+    assert wired["omniwire"] is True
+    for rid, res in alone["results"].items():
+        assert "error" not in res, res
+        got = wired["results"][rid]
+        assert "error" not in got, got
+        assert got["near"] == res["near"]
+        assert got["far"]["enc"] == res["far"]["enc"] == res["near"]["enc"]
+        assert got["far"]["chunks"][0] == res["far"]["chunks"][0]
+        seed = int(rid.split("-")[1])
+        big = torch.full((65536,), (seed + 1) % 251, dtype=torch.uint8)
+        assert got["far"]["chunks"][1] == [65536, digest(big)]
