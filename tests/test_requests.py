@@ -4,6 +4,9 @@
 from __future__ import annotations
 
 import random
+import re
+from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -12,7 +15,12 @@ import torch
 
 from omniwire import Delivery
 from omniwire.endpoint import DeliveryStream, Endpoint
-from omniwire.errors import EndpointClosedError, EndpointNotStartedError, OmniwireError
+from omniwire.errors import (
+    EndpointClosedError,
+    EndpointNotStartedError,
+    OmniwireError,
+    RequestAbortedError,
+)
 
 from test_endpoint import addr, pair
 
@@ -305,3 +313,121 @@ async def test_an_abort_ends_the_aborting_sides_own_consumers_of_the_request() -
             assert (await a.receive(request_id="r")).kind == "aborted"
         with pytest.raises(TimeoutError):  # and nothing of it reaches anyone else
             await a.receive(timeout=0.2)
+
+
+async def _no_new_request(ep: Endpoint, seconds: float) -> list[str]:
+    """The requests ``ep.requests()`` yields within ``seconds`` (it should yield none)."""
+    got: list[DeliveryStream] = []
+    with anyio.move_on_after(seconds):
+        async for request in ep.requests():
+            got.append(request)  # held (not closed: it would come back at once)
+    for request in got:
+        request.close()
+    return [str(request.request_id) for request in got]
+
+
+async def test_a_request_served_and_done_is_not_yielded_again_by_a_later_abort() -> None:
+    """Was: a request that brought only a payload, served by ``requests()`` and done
+    (its serving task returned), came back from ``requests()`` as a *new* request
+    whose only delivery was ``aborted`` when its sender aborted it later. A request
+    is over for its consumer once its stream ended (or was closed): a later notice
+    of it (an abort, a lost peer) is not queued; later data still is (test above)."""
+    async with pair() as (a, b):
+        await (await a.send("b", {"x": torch.ones(2)}, request_id="done")).wait(10)
+        with anyio.fail_after(10):
+            async for request in b.requests():
+                async with request:  # served: its payload taken, answered, closed
+                    d = await anext(request)
+                    await (await d.reply({"ok": True})).wait(10)
+                break
+            assert (await a.receive(request_id="done")).payload == {"ok": True}
+            await a.abort("done", "too late")
+            while not b._core.aborts.is_aborted("done"):
+                await anyio.sleep(0.01)
+        assert await _no_new_request(b, 0.3) == []
+        assert b.queued() == 0
+        # while a request is being served, the abort reaches its own stream
+        await (await a.send("b", {"x": torch.ones(2)}, request_id="live")).wait(10)
+        with anyio.fail_after(10):
+            request = await anext(b.requests())
+            async with request:
+                assert (await anext(request)).kind == "payload"
+                await a.abort("live")
+                assert [d.kind async for d in request] == ["aborted"]
+        assert await _no_new_request(b, 0.3) == []
+        # ... and stays its own when the serving task returns without reading it
+        await (await a.send("b", {"x": torch.ones(2)}, request_id="busy")).wait(10)
+        with anyio.fail_after(10):
+            request = await anext(b.requests())
+            async with request:
+                assert (await anext(request)).kind == "payload"
+                await a.abort("busy")
+                while not b._core.aborts.is_aborted("busy"):
+                    await anyio.sleep(0.01)
+        assert await _no_new_request(b, 0.3) == []
+        assert b.queued() == 0
+
+
+def _readme_example(heading: str) -> str:
+    """The first Python block under ``heading`` in the README, as it is written."""
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = text[text.index(f"\n{heading}\n") :]
+    found = re.search(r"```python\n(.*?)```", section, re.S)
+    assert found is not None, f"no Python block under {heading!r}"
+    return found.group(1)
+
+
+async def test_the_readmes_stream_back_while_watching_for_an_abort() -> None:
+    """The README's pattern, run as written: an abort that comes while the engine is
+    in the middle of a long step stops it at once; the requester's stream of the
+    aborted request ends with ``aborted``, the other request's with ``stream_end``;
+    neither request comes back to the server as a new one, even when aborted later."""
+    namespace: dict[str, Any] = {"anyio": anyio, "RequestAbortedError": RequestAbortedError}
+    steps: dict[str, int] = {}
+
+    async def generate(payload: dict[str, Any]) -> AsyncIterator[torch.Tensor]:
+        for i in range(payload["steps"]):
+            await anyio.sleep(60 if i == 2 and payload["stall"] else 0.01)  # one engine step
+            steps[payload["rid"]] = i + 1
+            yield torch.full((2,), i)
+
+    namespace["generate"] = generate
+    exec(_readme_example("### Streaming back while watching for an abort"), namespace)
+    served: list[str] = []
+    returned: list[str] = []
+
+    async with pair() as (a, b):
+
+        async def run(request: DeliveryStream) -> None:
+            await namespace["serve"](request)
+            returned.append(str(request.request_id))
+
+        async def server() -> None:
+            async with anyio.create_task_group() as tg:
+                async for request in b.requests():
+                    served.append(str(request.request_id))
+                    tg.start_soon(run, request)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(server)
+            answers = {rid: a.deliveries(request_id=rid, from_stage="b") for rid in ("full", "cut")}
+            for rid, stall in (("full", False), ("cut", True)):
+                payload = {"rid": rid, "steps": 5, "stall": stall}
+                await (await a.send("b", payload, request_id=rid)).wait(10)
+            with anyio.fail_after(20):
+                full = [d.kind async for d in answers["full"]]
+                cut = [(await anext(answers["cut"])).kind for _ in range(2)]
+                await a.abort("cut", "the client went away")  # the engine is mid-step
+                cut += [d.kind async for d in answers["cut"]]
+                while len(returned) < 2:
+                    await anyio.sleep(0.01)
+                await a.abort("full", "too late")  # over at b: no delivery there
+                while not b._core.aborts.is_aborted("full"):
+                    await anyio.sleep(0.01)
+            await anyio.sleep(0.2)
+            tg.cancel_scope.cancel()
+    assert full == ["stream_chunk"] * 5 + ["stream_end"]
+    assert cut == ["stream_chunk", "stream_chunk", "aborted"]
+    assert steps == {"full": 5, "cut": 2}  # cut stopped in its third step
+    assert sorted(served) == ["cut", "full"]  # each once
+    assert sorted(returned) == ["cut", "full"]

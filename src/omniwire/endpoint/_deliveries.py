@@ -63,7 +63,10 @@ it. For a request nobody holds, a notice is kept until ``_NOTICES`` newer ones
 were queued; then, if still nobody holds its request and nothing of the request is
 queued before it, it is dropped (counted in ``counters["notices_dropped"]``,
 logged). A held request's notice is its consumer's and never dropped, nor one that
-ends deliveries still queued (a stream would never end).
+ends deliveries still queued (a stream would never end). A request a stream of
+which ended or was closed is over for the application (``over``, remembered like
+aborted ids): the notices that stream left go with it, and a later notice of the
+request is not queued — it would come back from ``requests()`` as a new request.
 """
 
 from __future__ import annotations
@@ -83,6 +86,7 @@ import anyio
 from ..delivery import Delivery
 from ..errors import EndpointClosedError, EndpointNotStartedError
 from ..flow import FairBudget
+from ._aborts import ABORT_MEMORY, ABORT_MEMORY_BYTES
 
 if TYPE_CHECKING:
     from ._core import Core
@@ -97,6 +101,12 @@ _TOMBSTONES = 1024  # "unclaimed" error deliveries kept at most (the oldest go f
 #: ``error`` of a lost peer or an idle stream) of requests nobody holds: a notice is
 #: dropped once this many newer ones were queued, if nobody holds its request by then.
 _NOTICES = 1024
+
+
+def _is_notice(d: Delivery) -> bool:
+    """Whether ``d`` was made here (an ``aborted``, the ``error`` of a lost peer or an
+    idle stream, an ``unclaimed`` tombstone): it holds neither budget nor window."""
+    return d.kind in ("aborted", "error") and d._budget is None and d._window is None
 
 
 class _NoEvent:
@@ -216,6 +226,11 @@ class Deliveries:
         #: with ``from_stage``. Both O(log n) whatever other stages left queued.
         self._requests_of: _Filed | None = None
         self._deliveries_of: _Filed | None = None
+        #: Requests a stream of which ended or was closed, the newest last (at most
+        #: ABORT_MEMORY ids and ABORT_MEMORY_BYTES bytes): over for the application,
+        #: unless a consumer comes for one again (see :meth:`over`).
+        self._ended: OrderedDict[str, None] = OrderedDict()
+        self._ended_bytes = 0
         #: What deliveries reply through (the endpoint; set by it).
         self.replier: Any = None
 
@@ -465,6 +480,35 @@ class Deliveries:
         holds = self._holds.get(d.request_id)
         return holds is not None and (None in holds or d.from_stage in holds or d.kind == "aborted")
 
+    def over(self, request_id: str) -> bool:
+        """Whether ``request_id`` is over for the application: a stream of it ended or
+        was closed, nobody holds or waits for it since, and nothing of it is queued. A
+        notice of such a request (a later abort, a lost peer) has nobody to tell: it is
+        not queued (it would come back as a new request from ``requests()``)."""
+        return (
+            request_id in self._ended
+            and request_id not in self._by_request
+            and not self.wanted(request_id)
+        )
+
+    def _stream_ended(self, request_id: str) -> None:
+        """A stream of ``request_id`` ended or was closed (and let the request go): the
+        request is over for the application. The notices of it still queued were that
+        stream's (an abort that came while the request was served, say) and go with it,
+        unless they end data of the request still queued or someone holds it still."""
+        queued = self._by_request.get(request_id)
+        if queued and request_id not in self._holds and all(map(_is_notice, queued.values())):
+            for seq, d in list(queued.items()):
+                self._remove(seq, d)
+        ended = self._ended
+        if request_id not in ended:
+            ended[request_id] = None
+            self._ended_bytes += len(request_id)
+        ended.move_to_end(request_id)
+        while len(ended) > ABORT_MEMORY or self._ended_bytes > ABORT_MEMORY_BYTES:
+            rid, _ = ended.popitem(last=False)
+            self._ended_bytes -= len(rid)
+
     def ends_queued(self, request_id: str) -> bool:
         """Whether a delivery that ends ``request_id``'s streams (``TERMINAL``) is queued."""
         return any(d.kind in TERMINAL for d in self._by_request.get(request_id, {}).values())
@@ -679,6 +723,7 @@ class DeliveryStream:
             self._open = False
             if self.request_id is not None:
                 self._queue._release(self.request_id, self.from_stage)
+                self._queue._stream_ended(self.request_id)
 
     async def aclose(self) -> None:
         self.close()
@@ -701,6 +746,7 @@ class DeliveryStream:
         if getattr(self, "_open", False) and self.request_id is not None:
             self._open = False
             self._queue._release(self.request_id, self.from_stage, wake=False)
+            self._queue._stream_ended(self.request_id)
             loop = self._loop
             if loop is not None:
                 with contextlib.suppress(RuntimeError):  # the loop is closed

@@ -558,8 +558,12 @@ class Receiver:
 
     # -- deliveries ----------------------------------------------------------------------
 
-    def _deliver(self, delivery: Delivery, *, notice: bool = False) -> None:
-        """Queue ``delivery`` (``notice``: made here, it holds no budget and no window)."""
+    def _deliver(self, delivery: Delivery, *, notice: bool = False, late: bool = False) -> None:
+        """Queue ``delivery`` (``notice``: made here, it holds no budget and no window;
+        one of a request that is over for the application is not queued, unless
+        ``late``: for a consumer that came for it again)."""
+        if notice and not late and self.deliveries.over(delivery.request_id):
+            return
         observer = self.core.observer
         if observer is not None:
             observer.delivered(self.core.name, delivery)
@@ -574,10 +578,10 @@ class Receiver:
     ) -> None:
         """Drop everything of the request. The ``aborted`` delivery (when ``notify``) is
         made only where a consumer holds or waits for the request, or, for a peer's
-        abort (``via``: the peer it came from; None: our own), where the request was seen — data of it
-        sent or received here: an abort of a request never seen here costs nothing but
-        its remembered id (so its late data is still refused). A consumer that comes
-        for the request later gets its own (``Receiving``)."""
+        abort (``via``: the peer it came from; None: our own), where the request was
+        seen — data of it sent or received here: an abort of a request never seen here
+        costs nothing but its remembered id (so its late data is still refused). A
+        consumer that comes for the request later gets its own (``Receiving``)."""
         seen = self.core.aborts.seen(request_id)
         for name in self.core.aborts.involved(request_id):  # only they sent us any of it
             peer = self.peers.get(name)
@@ -596,10 +600,13 @@ class Receiver:
         if notify and (self.deliveries.wanted(request_id) or (seen and via is not None)):
             self.notice_abort(request_id, origin, reason, via or "")
 
-    def notice_abort(self, request_id: str, origin: str, reason: str, via: str = "") -> None:
-        """Queue the ``aborted`` delivery of ``request_id`` (a notice: it holds nothing)."""
+    def notice_abort(
+        self, request_id: str, origin: str, reason: str, via: str = "", *, late: bool = False
+    ) -> None:
+        """Queue the ``aborted`` delivery of ``request_id`` (a notice: it holds nothing;
+        ``late``: for a consumer that comes for an aborted request)."""
         aborted = Delivery("aborted", request_id, origin, error=reason or None, via=via)
-        self._deliver(aborted, notice=True)
+        self._deliver(aborted, notice=True, late=late)
 
     def on_peer_gone(
         self, peer: Peer, records: list[InRecord], cause: str, error: PeerLostError

@@ -83,7 +83,7 @@ class Receiving:
         ``aborted`` delivery of its own, so that it ends too."""
         why = self._core.aborts.why(request_id)
         if why is not None and not self._receiver.deliveries.ends_queued(request_id):
-            self._receiver.notice_abort(request_id, *why)
+            self._receiver.notice_abort(request_id, *why, late=True)
 
     async def requests(self, *, from_stage: str | None = None) -> AsyncIterator[DeliveryStream]:
         """One held :class:`DeliveryStream` per request, as its first delivery arrives::
