@@ -6,6 +6,7 @@ the receiver's checks of a landed reference, and the receipt's outcomes end to e
 
 from __future__ import annotations
 
+import ctypes
 import os
 import secrets
 from collections.abc import AsyncIterator
@@ -497,6 +498,19 @@ async def _introduce(b: Any, a: Any) -> tuple[PeerInfo, PeerInfo]:
     return peer_a, peer_b
 
 
+def _resident_pages(addr: int, size: int) -> int:
+    """How many pages of ``[addr, addr + size)`` (page-aligned, mapped) are resident
+    (mincore(2))."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    n = -(-size // page)
+    vec = (ctypes.c_ubyte * n)()
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    if libc.mincore(ctypes.c_void_p(addr), ctypes.c_size_t(n * page), vec) != 0:
+        raise OSError(ctypes.get_errno(), "mincore")
+    return sum(v & 1 for v in vec)
+
+
 async def _land(a: Any, peer_b: PeerInfo, data: torch.Tensor) -> Export | None:
     out = await _packed(a, peer_b, data)
     try:
@@ -524,9 +538,11 @@ async def test_a_departed_peers_late_write_never_lands_in_the_next_peers_landing
         b.peer_gone("a1")
         await b.disconnect(peer_a1)
         assert b.stats().detail["landings_draining"] == 1  # registered while viewed
+        assert _resident_pages(old.addr, old.size) > 0  # the object's pages
         imp.close()
         detail = b.stats().detail
         assert (detail["landings_draining"], detail["landings_quarantined"]) == (0, 1)
+        assert _resident_pages(old.addr, old.size) == 0  # quarantined: mapped, pages given back
         assert detail["landings_returned"] == 1 and detail["landings_lent"] == 0
         peer_a2, b_for_a2 = await _introduce(b, a2)
         new = b._landings.get("a2")
