@@ -242,3 +242,16 @@ async def test_credit_and_window_waits_are_told_and_counted_apart() -> None:
         await b.receive(timeout=10)
         assert (waits.credit, waits.window) == (["b"], ["b"])
         assert (a.counters["credit_waits"], a.counters["window_waits"]) == (1, 1)
+
+
+def test_the_window_wait_has_its_own_metric() -> None:
+    prometheus_client = pytest.importorskip("prometheus_client")
+    from omniwire.observe import PrometheusObserver
+
+    registry = prometheus_client.CollectorRegistry()
+    metrics = PrometheusObserver(registry)
+    metrics.window_waited("a", "b", 0.25)
+    metrics.credit_waited("a", "b", 0.5)
+    edge = {"endpoint": "a", "peer": "b"}
+    assert registry.get_sample_value("omniwire_window_wait_seconds_sum", edge) == 0.25
+    assert registry.get_sample_value("omniwire_credit_wait_seconds_sum", edge) == 0.5
