@@ -10,6 +10,9 @@ TORCH  ?= torch==2.13.0
 STAMP  := $(VENV)/.omniwire-setup
 EXTRAS := test,bench,mooncake,nixl
 EXAMPLE := examples/omniwire-backend-example
+# tests/test_sglang_omni.py: sglang-omni 0.1.9 without its GPU tree (--no-deps) plus the light packages
+# its comm/relay/pipeline/scheduling modules import, beside the venv (pip check would miss its GPU tree)
+SGLANG_OMNI := --target $(VENV)/sglang-omni pydantic PyYAML pybase64 starlette huggingface_hub
 # Debian libraries `import mooncake.engine` needs. No ibverbs-providers: its
 # libefa makes NIXL processes segfault at exit (see shared/BACKENDS.md).
 # iproute2 (ip, tc): the namespace "hosts" of tests/test_cluster.py
@@ -31,6 +34,7 @@ $(STAMP): pyproject.toml Makefile $(wildcard $(EXAMPLE)/pyproject.toml)
 	$(BIN)/python -m pip install -q "$(TORCH)"
 	$(BIN)/python -m pip install -q -e ".[$(EXTRAS)]"
 	@if [ -d $(EXAMPLE) ]; then $(BIN)/python -m pip install -q -e $(EXAMPLE); fi
+	$(BIN)/python -m pip install -q --no-deps --target $(VENV)/sglang-omni sglang-omni==0.1.9 && $(BIN)/python -m pip install -q $(SGLANG_OMNI)
 	@touch $(STAMP)
 
 run: setup

@@ -284,7 +284,10 @@ class Endpoint(Receiving):
         announced); the sender's buffer stays reserved until the ACK, which the
         returned receipt reports. Waits for a credit when too much is in flight.
         With ``lend=True`` an engine may read the payload's tensors in place (no
-        pack copy): do not modify them until the receipt completes. A large object
+        pack copy): do not modify them until the receipt completes. A payload whose
+        only tensor (however nested, beside any plain values) is a non-empty,
+        contiguous CPU tensor lying in a zero-copy delivery not yet released is
+        forwarded by reference (README "Forwarding by reference"). A large object
         announced in pieces (``progressive_chunk``) is finished even if the call is
         cancelled meanwhile: the call ends at once, and the rest of its pieces are
         still packed from the tensors — leave them alone until then too.

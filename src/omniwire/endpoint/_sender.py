@@ -155,12 +155,15 @@ class Sender:
         holds the payload's one tensor (spec §9.2 "Forwarding"), with a hold on that
         delivery — its ACK waits until the export is released — or None: pack it.
 
-        Only a payload of one contiguous CPU tensor that lies in a delivery not yet
-        released goes by reference: through the backend that delivered it, to a peer
-        that reads forwards (``Import.forward``), or through any backend that reads or
-        writes lent memory in place (``export_tensors``: mooncake and nixl from the
-        landing it arrived in, without registering it again; nccl). The caller drops
-        the export's first share (its own) once the send has taken one.
+        Only a payload whose tensors are exactly one tensor (``tensors``: every tensor
+        of the payload, wherever it sits among its containers and plain values),
+        non-empty, on the CPU, contiguous, holding its values, and lying wholly in the
+        memory of a zero-copy delivery not yet released, goes by reference: through
+        the backend that delivered it, to a peer that reads forwards
+        (``Import.forward``), or through any backend that reads or writes lent memory
+        in place (``export_tensors``: mooncake and nixl from the landing it arrived
+        in, without registering it again; nccl). The caller drops the export's first
+        share (its own) once the send has taken one.
         """
         receiver = self.receiver
         if receiver is None or len(tensors) != 1:
