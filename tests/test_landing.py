@@ -575,7 +575,8 @@ async def test_landings_lent_to_peers_that_churn_come_back_and_memory_stays_boun
     """One long-lived sink and 32 short-lived peer names, at most two alive at once,
     with ``landing_peers=2``: every peer is lent a landing and its object lands (the
     sink reads nothing); the sink never has more than 2 landings (2 × landing_size)
-    registered, and each departed peer's landing came back."""
+    registered, and each departed peer's landing came back; so does a new instance
+    under a departed name."""
     require_backend(engine)
     size, peers, names = 256 << 10, 2, 32
     options = {"landing_size": size, "landing_peers": peers, "pool_size": 1 << 20}
@@ -613,12 +614,28 @@ async def test_landings_lent_to_peers_that_churn_come_back_and_memory_stays_boun
                     assert detail["landings_lent"] <= peers, detail
                     if len(alive) == 2:  # the older one leaves
                         await alive.pop(0).aclose()
+                # a new instance under a departed name: lent a fresh landing too
+                again = Endpoint(
+                    f"stage0-{tag}",
+                    host_id="h0",
+                    routes={sink.name: engine},
+                    backend_options={engine: options},
+                    **common,
+                )
+                await again.start()
+                alive.append(again)
+                again.add_peer(sink.name, sink.address)
+                await again.wait_peer(sink.name)
+                receipt = await again.send(sink.name, torch.ones(16 << 10), request_id="again")
+                outcomes.append(receipt.outcome)
+                (await sink.receive()).release()
+                assert await receipt.settled() == "delivered"
         finally:
             for ep in alive:
                 await ep.aclose()
         detail = sink.backend(engine).stats().detail
-    assert outcomes == ["landed"] * names, outcomes
-    assert detail["landed_in"] == names and detail["reads"] == 0, detail
+    assert outcomes == ["landed"] * (names + 1), outcomes
+    assert detail["landed_in"] == names + 1 and detail["reads"] == 0, detail
     assert most <= peers * size, most
     assert detail["landings_returned"] >= names - peers, detail
     assert detail["landings_quarantined"] == 0, detail  # quarantine 0: unmapped
