@@ -199,3 +199,102 @@ async def test_a_send_cancelled_natively_while_its_segment_is_made_leaks_nothing
             await anyio.sleep(0.1)
         left = {p for p in os.listdir(SHM_DIR) if p.startswith(mine)} - before
         assert left == set(), f"left in /dev/shm ({small_arena=}): {left}"
+
+
+def _without_sealed(monkeypatch: pytest.MonkeyPatch, name: str) -> None:
+    """Endpoint ``name``'s Hellos lack the feature "sealed", as a peer of the earlier
+    1.1 text's do (spec §11.2): it is sent plain segments only."""
+    import sys
+
+    from omniwire.endpoint import _handshake
+
+    real = _handshake.hello_of
+
+    def hello_of(core: Any, *args: Any, **kw: Any) -> Any:
+        hello = real(core, *args, **kw)
+        if core.name != name:
+            return hello
+        import msgspec
+
+        return msgspec.structs.replace(
+            hello, features=tuple(f for f in hello.features if f != "sealed")
+        )
+
+    for module in list(sys.modules.values()):
+        if getattr(module, "__name__", "").startswith("omniwire.endpoint") and (
+            getattr(module, "hello_of", None) is real
+        ):
+            monkeypatch.setattr(module, "hello_of", hello_of)
+
+
+@pytest.mark.asyncio
+async def test_memory_shared_between_a_sealed_and_an_earlier_reader_reaches_each_in_its_form(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A fan-out, and a tensor born in transport memory (``Endpoint.empty``), share one
+    export among their targets — but not between a peer that reads sealed segments and
+    one whose Hello lacks "sealed" (spec §9.2 "Which form"): that one gets a plain
+    file (what each receiver was sent is seen by its backend's import)."""
+    tag = secrets.token_hex(3)
+    new, old, src = f"new-{tag}", f"old-{tag}", f"src-{tag}"
+    _without_sealed(monkeypatch, old)
+    kw: dict[str, Any] = {"backends": ["shm"], "zero_copy": True}
+    async with (
+        Endpoint(new, address=ipc_address(new), routes={src: "shm"}, **kw) as b,
+        Endpoint(old, address=ipc_address(old), routes={src: "shm"}, **kw) as c,
+    ):
+        tx = Endpoint(
+            src,
+            address=ipc_address(src),
+            peers={new: b.address, old: c.address},
+            backends=["shm"],
+            routes={new: "shm", old: "shm"},
+        )
+        links: dict[str, list[bool]] = {new: [], old: []}
+        for rx in (b, c):
+            _watch_forms(monkeypatch, rx, links[rx.name])
+        async with tx:
+            await tx.wait_peer(new, 30)
+            await tx.wait_peer(old, 30)
+            hidden = torch.randn(64, 1024)  # 256 KiB: in a segment
+            receipts = await tx.send([new, old], {"h": hidden}, request_id="fan")
+            with anyio.fail_after(10):
+                got_new, got_old = await b.receive(), await c.receive()
+            assert torch.equal(got_new.payload["h"], hidden)
+            assert torch.equal(got_old.payload["h"], hidden)
+            assert links == {new: [True], old: [False]}  # a link to a memfd; a plain file
+            got_new.release()
+            got_old.release()
+            for r in receipts:
+                await r.wait(10)
+
+            buf = await tx.empty(new, (64, 1024))
+            buf.tensor.copy_(hidden)
+            for target, rx in ((new, b), (old, c)):
+                receipt = await tx.send(target, buf.tensor, request_id=f"born-{target}")
+                with anyio.fail_after(10):
+                    d = await rx.receive()
+                assert torch.equal(d.payload, hidden)
+                d.release()
+                await receipt.wait(10)
+            buf.release()
+            assert links == {new: [True, True], old: [False, False]}
+
+
+def _is_link(path: str) -> bool:
+    return os.path.islink(path)
+
+
+def _watch_forms(monkeypatch: pytest.MonkeyPatch, rx: Endpoint, seen: list[bool]) -> None:
+    """Record, for each shm object ``rx`` imports, whether its segment is a link."""
+    import msgspec
+
+    backend = rx.backend("shm")
+    real = backend.import_
+
+    async def import_(peer: Any, ref: bytes, nbytes: int) -> Any:
+        name = msgspec.msgpack.decode(ref)["segment"]
+        seen.append(_is_link(f"{SHM_DIR}/{name}"))
+        return await real(peer, ref, nbytes)
+
+    monkeypatch.setattr(backend, "import_", import_)

@@ -337,6 +337,13 @@ class BackendBase(abc.ABC):
         for its objects, say). The default: :meth:`hello`."""
         return self.hello()
 
+    def shares(self, export: Export, peer: PeerInfo) -> bool:
+        """Whether ``export``, made for one peer, may be announced to ``peer`` too (a
+        fan-out's one export, a buffer born in transport memory). The default: yes.
+        shm says no for a sealed segment and a peer that does not read sealed ones
+        (spec §9.2 "Which form")."""
+        return True
+
     def accepts(self, peer: PeerInfo) -> str | None:
         """Why a peer's Hello must be refused (``bad_hello``) because of what it says
         about this backend — e.g. it claims memory it cannot own — or None. Cheap and

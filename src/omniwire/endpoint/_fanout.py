@@ -86,7 +86,7 @@ class FanOut:
             ]
             routes = [sender.routes.select(peer, info) for peer in peers]
             sharing = self._shared_backends(routes)
-            exports: dict[str, SharedExport] = {}
+            exports: dict[str, list[SharedExport]] = {}
             forwards: list[SharedExport] = []
             receipts: list[SendReceipt] = []
             try:
@@ -97,10 +97,10 @@ class FanOut:
                         if shared is not None:
                             forwards.append(shared)
                     if shared is None and route.backend in sharing:
-                        shared = exports.get(route.backend)
+                        shared = self._shareable(peer, route, exports.get(route.backend, []))
                         if shared is None:
                             shared = await self._export(peer, route, enc, layout, lend)
-                            exports[route.backend] = shared
+                            exports.setdefault(route.backend, []).append(shared)
                     receipts.append(
                         await sender.send_routed(
                             peer,
@@ -117,7 +117,7 @@ class FanOut:
                         )
                     )
             finally:
-                for shared in (*exports.values(), *forwards):
+                for shared in (*(s for made in exports.values() for s in made), *forwards):
                     shared.drop()  # the fan-out's own hold: the last ACK releases the buffer
         return receipts
 
@@ -161,6 +161,13 @@ class FanOut:
             ):
                 shared.add(name)
         return shared
+
+    def _shareable(self, peer: Peer, route: Route, made: list[SharedExport]) -> SharedExport | None:
+        """An export made for an earlier target that this one may be sent too (shm:
+        a sealed segment only to a peer that reads them, spec §9.2), or None."""
+        backend = self.sender.core.backends[route.backend]
+        info = self.sender.peers.connected_backend(peer, route.backend)
+        return next((s for s in made if backend.shares(s.export, info)), None)
 
     async def _export(
         self,

@@ -126,6 +126,10 @@ class Sender:
                 lend = lend or born.backend is None  # ordinary memory: lent to the engine
                 shared = born.shared_for(route.backend)  # BufferReleasedError; None: packed
             elif lend:
+                if shared is not None and not core.backends[route.backend].shares(
+                    shared.export, self.peers.connected_backend(peer, route.backend)
+                ):
+                    shared = None  # a form this peer cannot read (shm §9.2): packed
                 shared = forward = await self.forwarded(peer, route, enc.tensors)
             try:
                 receipt = await self.send_routed(

@@ -182,6 +182,11 @@ class ShmBackend(ByteBackend):
         a peer that did not is sent plain files, as the earlier 1.1 text made them."""
         return SEALED_FEATURE in peer.features
 
+    def shares(self, export: Export, peer: PeerInfo) -> bool:
+        if isinstance(export, _ShmExport) and export.segment.sealed:
+            return self.reads_sealed(peer)
+        return True
+
     def _arena_for(self, peer: PeerInfo) -> _Arena:
         if not self.sealed or self.reads_sealed(peer):
             return self._main
