@@ -1,8 +1,10 @@
 """sglang-omni's own shm relay against omniwire's relay, side by side in one run.
 
-    PYTHONPATH=tests/sglang_cpu_stub python scripts/bench_sglang_omni.py [--quick] [--json out.json]
+    python scripts/bench_sglang_omni.py [--quick] [--json out.json]
 
-(the stub stands in for the GPU engine ``sglang`` where it is not installed.)
+(sglang-omni from ``.venv/sglang-omni`` as ``make setup`` installs it, or
+``$OMNIWIRE_SGLANG_OMNI_SITE``; ``tests/sglang_cpu_stub`` stands in for the GPU engine
+``sglang`` where that is not installed.)
 
 Two processes, ``src`` and ``far``, and sglang-omni's real per-object path:
 ``stage_io.write_payload`` (extract tensors, ``torch.cat`` pack, ``relay.put_async``,
@@ -37,6 +39,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _setup_path() -> None:
+    """sglang-omni where ``make setup`` puts it, and the CPU stub of ``sglang`` if needed."""
+    site = os.environ.get("OMNIWIRE_SGLANG_OMNI_SITE", str(ROOT / ".venv" / "sglang-omni"))
+    if os.path.isdir(site) and site not in sys.path:
+        sys.path.append(site)
     stub = ROOT / "tests" / "sglang_cpu_stub"
     try:
         import sglang  # noqa: F401

@@ -2,7 +2,7 @@
 
 sglang-omni is installed without its dependency tree (``pip install --no-deps
 sglang-omni==0.1.9`` plus the light packages its comm/, relay/, pipeline/ and
-scheduling/ modules import: ``make setup`` does it). Its GPU engine ``sglang`` cannot
+scheduling/ modules import), into ``.venv/sglang-omni`` (``make setup`` does it). Its GPU engine ``sglang`` cannot
 be installed on a CPU machine (CUDA builds of torch, flashinfer, sgl-kernel), and
 sglang-omni's ``platforms`` module imports it at load to pick the device platform:
 the ``sglang_cpu_fixture`` below puts ``tests/sglang_cpu_stub`` (a CPU-only
@@ -29,28 +29,34 @@ ROOT = Path(__file__).resolve().parents[1]
 STUB = ROOT / "tests" / "sglang_cpu_stub"
 EXAMPLE = ROOT / "examples" / "sglang_omni" / "pipeline.py"
 
-if importlib.util.find_spec("sglang_omni") is None:
-    reason = "sglang-omni is not installed (pip install --no-deps sglang-omni==0.1.9)"
-    if os.environ.get("OMNIWIRE_REQUIRE_ENGINES") == "1":
-        raise RuntimeError(reason + " (OMNIWIRE_REQUIRE_ENGINES=1: it must be)")
-    pytest.skip(reason, allow_module_level=True)
+#: Where ``make setup`` installs sglang-omni 0.1.9 and its light imports: beside the
+#: venv, not in it (its metadata names a GPU tree that ``pip check`` would report).
+SITE = Path(os.environ.get("OMNIWIRE_SGLANG_OMNI_SITE", ROOT / ".venv" / "sglang-omni"))
 
 
 @pytest.fixture(scope="module", autouse=True)
 def sglang_cpu_fixture():  # type: ignore[no-untyped-def]
-    """The CPU stand-in for ``sglang`` where the real one is missing (see the module doc)."""
-    added = importlib.util.find_spec("sglang") is None
-    old = os.environ.get("PYTHONPATH")
-    if added:
+    """sglang-omni from SITE, and the CPU stand-in for ``sglang`` where the real one is
+    missing (see the module doc), for this process and the stage processes."""
+    saved_path, saved_env = list(sys.path), dict(os.environ)
+    if SITE.is_dir():
+        sys.path.append(str(SITE))  # after site-packages: the venv's own packages win
+        os.environ["OMNIWIRE_SGLANG_OMNI_SITE"] = str(SITE)
+    if importlib.util.find_spec("sglang_omni") is None:
+        sys.path[:] = saved_path
+        reason = "sglang-omni is not installed (make setup installs it in .venv/sglang-omni)"
+        if os.environ.get("OMNIWIRE_REQUIRE_ENGINES") == "1":
+            pytest.fail(reason + " (OMNIWIRE_REQUIRE_ENGINES=1: it must be)")
+        pytest.skip(reason)
+    if importlib.util.find_spec("sglang") is None:
         sys.path.insert(0, str(STUB))
-        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(STUB), old]))
+        os.environ["PYTHONPATH"] = os.pathsep.join(
+            filter(None, [str(STUB), os.environ.get("PYTHONPATH")])
+        )
     yield
-    if added:
-        sys.path.remove(str(STUB))
-        if old is None:
-            os.environ.pop("PYTHONPATH", None)
-        else:
-            os.environ["PYTHONPATH"] = old
+    sys.path[:] = saved_path
+    os.environ.clear()
+    os.environ.update(saved_env)
 
 
 @pytest.fixture
@@ -200,7 +206,7 @@ def test_pth_hook_enables_on_import_of_the_stage_runtime(tmp_path: Path) -> None
 
     assert main(["install-pth", "--site", str(tmp_path)]) == 0
     code = (
-        f"import site; site.addsitedir({str(tmp_path)!r}); "
+        f"import site; site.addsitedir({str(SITE)!r}); site.addsitedir({str(tmp_path)!r}); "
         "import sglang_omni.pipeline.stage.runtime; "
         "from sglang_omni.relay.base import RELAY_REGISTRY; "
         "import omniwire.integrations.sglang_omni as s; "

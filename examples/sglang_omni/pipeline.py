@@ -95,6 +95,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=60.0)
     args = ap.parse_args(argv)
     os.environ["OMNIWIRE_SGLANG_OMNI"] = "1" if args.omniwire else "0"
+    # sglang-omni installed beside the environment (as ``make setup`` does): appended, so
+    # the environment's own packages win; spawned stage processes inherit sys.path.
+    if os.environ.get("OMNIWIRE_SGLANG_OMNI_SITE"):
+        sys.path.append(os.environ["OMNIWIRE_SGLANG_OMNI_SITE"])
     # The stage processes import stages.py by its dotted name.
     sys.path.insert(0, str(HERE))
     os.environ["PYTHONPATH"] = os.pathsep.join(
