@@ -636,6 +636,7 @@ REJECTION_CODES: dict[str, str] = {
     "shm_ref_prefix_only": "ref.not_the_peers",
     "shm_ref_size_mismatch": "ref.length",
     "shm_ref_array_form": "ref.bad_form",
+    "shm_ref_offset_not_int": "ref.bad_form",
     "mooncake_pieces_overlap": "pieces.layout",
     "mooncake_pieces_unsorted": "pieces.layout",
     "mooncake_piece_past_the_end": "pieces.layout",
@@ -1118,6 +1119,17 @@ def negatives() -> list[dict[str, Any]]:
             length=128,
             match="malformed shm reference",
             why="the array form of the 1.0 vector; the reference is a map",
+        ),
+        dict(
+            name="shm_ref_offset_not_int",
+            data=msgspec.msgpack.encode(
+                {"segment": f"{SHM_PREFIX}-0", "offset": "0", "size": 128, "dedicated": False}
+            ),
+            layer=s,
+            error="BackendError",
+            length=128,
+            match="malformed shm reference",
+            why="offset is a string: a field of the wrong type is not the form (ref.bad_form)",
         ),
         *_piece_negatives(),
     ]
