@@ -57,23 +57,42 @@ test: lint typecheck package
 	OMNIWIRE_REQUIRE_ENGINES=1 HYPOTHESIS_PROFILE=ci OMP_NUM_THREADS=1 \
 		$(BIN)/python -m pytest --durations=25
 
-# The package as users install it: build the sdist and the wheel, check them, install
-# the wheel (not editable) with its extras into a fresh venv, and run the demo and a
-# short test from there. The fresh venv reuses $(VENV)'s packages (torch, the engines)
-# through a .pth line after its own site-packages, so nothing is downloaded twice;
-# `pip check` and the extras' resolution run against them.
-DIST    := build/dist
-PKG_ENV := build/pkg-venv
+# The package as users install it: build the sdist and the wheel and check them, then
+# 1. the wheel with NO extras, with pip's default resolver, into a fresh venv
+#    ($(BARE_ENV)): `pip check`, `omniwire demo` and scripts/installed_smoke.py (every
+#    module that needs no extra imports; two processes send and receive) from it.
+#    torch is named beside the wheel only to get the CPU build from this machine's
+#    disk, as pip does by default here (its find-links): left to itself the resolver
+#    takes the newest CUDA build from PyPI (5.5 GB, minutes). --no-compile skips
+#    writing torch's .pyc files (28 s instead of 50 s on 2 cores, busy).
+# 2. the wheel with its extras ($(PKG_ENV)), reusing $(VENV)'s packages (torch, the
+#    engines) through a .pth line after its own site-packages, so nothing is
+#    downloaded twice; `pip check` and the extras' resolution run against them, and
+#    tests/test_installed.py runs from it.
+DIST     := build/dist
+PKG_ENV  := build/pkg-venv
+BARE_ENV := build/bare-venv
 package: setup
 	@echo "== package: build sdist and wheel"
-	rm -rf $(DIST) $(PKG_ENV)
+	rm -rf $(DIST) $(PKG_ENV) $(BARE_ENV)
 	mkdir -p build
 	$(BIN)/python -m build --outdir $(DIST) . >build/package-build.log 2>&1 || \
 		{ cat build/package-build.log; exit 1; }
 	@ls $(DIST)
 	@echo "== package: twine check"
 	$(BIN)/python -m twine check --strict $(DIST)/*
-	@echo "== package: install the wheel into $(PKG_ENV)"
+	@echo "== package: the wheel with no extras into a fresh venv, $(BARE_ENV)"
+	$(PYTHON) -m venv --without-pip $(BARE_ENV)
+	$(BIN)/python -m pip --python $(BARE_ENV)/bin/python install -q --no-compile \
+		"$(TORCH)" $(DIST)/omniwire-*.whl
+	$(BIN)/python -m pip --python $(BARE_ENV)/bin/python check
+	$(BIN)/python -m pip --python $(BARE_ENV)/bin/python list --format=freeze | tr '\n' ' '; echo
+	@echo "== package: omniwire demo and two processes, from the wheel with no extras"
+	cd build && OMP_NUM_THREADS=1 bare-venv/bin/omniwire demo >package-demo.log 2>&1 || \
+		{ cat package-demo.log; exit 1; }
+	@tail -1 build/package-demo.log
+	cd build && OMP_NUM_THREADS=1 bare-venv/bin/python ../scripts/installed_smoke.py
+	@echo "== package: the wheel with its extras into $(PKG_ENV)"
 	$(BIN)/python -m venv --without-pip $(PKG_ENV)
 	$(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])' \
 		>"$$($(PKG_ENV)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/_omniwire_base.pth"
@@ -84,10 +103,6 @@ package: setup
 	$(BIN)/python -m pip --python $(PKG_ENV)/bin/python check
 	$(PKG_ENV)/bin/python -c 'import omniwire, sys; f = omniwire.__file__; \
 		print("omniwire", omniwire.__version__, "from", f); sys.exit("$(PKG_ENV)" not in f)'
-	@echo "== package: omniwire demo and a short test, from the wheel"
-	cd build && OMP_NUM_THREADS=1 pkg-venv/bin/omniwire demo >package-demo.log 2>&1 || \
-		{ cat package-demo.log; exit 1; }
-	@tail -1 build/package-demo.log
 	OMP_NUM_THREADS=1 $(PKG_ENV)/bin/python -m pytest -q -p no:cacheprovider tests/test_installed.py
 
 # `make bench BENCH_ARGS="--quick --busy --json bench.json --plot bench.png"`

@@ -68,6 +68,7 @@ NOT_ALWAYS_INSTALLED = {
     "nixl": ("nixl", "nixl-cu12", "nixl-cu13"),
     "nixl_cu12": ("nixl-cu12",),
     "nixl_cu13": ("nixl-cu13",),
+    "sglang_omni": ("sglang-omni",),  # `make setup` puts it beside the venv (--target)
 }
 
 
