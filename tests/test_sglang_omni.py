@@ -99,6 +99,28 @@ def test_registry_names_create_omniwire_relays(enabled) -> None:  # type: ignore
     assert not isinstance(create_relay("shm", engine_id="x_relay", device="cpu"), OmniwireRelay)
 
 
+def test_what_omniwire_does_not_carry_goes_to_the_relay_it_replaced() -> None:
+    """cuda_ipc's paged-KV methods (register_kv_pool, put_kv_pages, ...) stay
+    sglang-omni's own relay's; a name no relay has is still an AttributeError."""
+    from omniwire.integrations.sglang_omni._relay import OmniwireRelay
+
+    class Original:
+        def __init__(self, engine_id: str, device: str, slot_size_mb: int) -> None:
+            self.args = (engine_id, device, slot_size_mb)
+
+        def register_kv_pool(self, pool: object) -> tuple[object, ...]:
+            return (*self.args, pool)
+
+    class Replacing(OmniwireRelay):
+        kind = "cuda_ipc"
+        fallback = Original
+
+    relay = Replacing("g_relay", device="cuda:0", slot_size_mb=64)
+    assert relay.register_kv_pool("pool") == ("g_relay", "cuda:0", 64, "pool")
+    with pytest.raises(AttributeError):
+        _ = OmniwireRelay("x_relay").register_kv_pool
+
+
 def test_version_outside_the_series_is_refused(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     from omniwire.integrations.sglang_omni import _compat
 

@@ -101,7 +101,7 @@ def _enable_on_import(_module: object = None) -> None:
 
 
 @functools.cache
-def _relay_class(kind: str) -> type:
+def _relay_class(kind: str) -> Any:
     from ._relay import OmniwireRelay
 
     return type(f"Omniwire{kind.title().replace('_', '')}Relay", (OmniwireRelay,), {"kind": kind})

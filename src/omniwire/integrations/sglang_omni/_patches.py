@@ -30,7 +30,12 @@ def apply(names: SglangOmniNames) -> dict[str, Any]:
     registry = names.relay_base.RELAY_REGISTRY
     for name in _relay_names():
         saved[f"registry:{name}"] = registry.get(name)
-        registry[name] = _relay_class(name)
+        cls = _relay_class(name)
+        if name == "cuda_ipc":  # its paged-KV methods stay sglang-omni's own
+            from sglang_omni.relay.cuda_ipc import CudaIpcRelay
+
+            cls.fallback = CudaIpcRelay
+        registry[name] = cls
 
     router_cls, engine_cls, stage_cls = names.router_cls, names.engine_cls, names.stage_cls
     kinds = names.transport_kind

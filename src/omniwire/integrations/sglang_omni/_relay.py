@@ -164,10 +164,25 @@ class OmniwireRelay(Relay):  # type: ignore[misc]
     #: the sglang-omni registry name it was created under (shm, mooncake, cuda_ipc)
     kind = "shm"
 
-    def __init__(self, engine_id: str, device: str = "cpu", **_options: object) -> None:
+    #: sglang-omni's own relay class for this name, for what omniwire does not carry
+    #: (cuda_ipc's paged-KV methods): built on first use of such a method.
+    fallback: type | None = None
+
+    def __init__(self, engine_id: str, device: str = "cpu", **options: object) -> None:
         self.engine_id = engine_id
         self.device = device
         self.closed = False
+        self._options = {"engine_id": engine_id, "device": device, **options}
+        self._fallback: Any = None
+
+    def __getattr__(self, name: str) -> Any:
+        # Only called for names this class lacks (register_kv_pool, put_kv_pages, ...).
+        cls = type(self).fallback
+        if cls is None or name.startswith("__") or name in ("_options", "_fallback"):
+            raise AttributeError(name)
+        if self._fallback is None:
+            self._fallback = cls(**self._options)
+        return getattr(self._fallback, name)
 
     @property
     def wire(self) -> StageWire:
@@ -269,6 +284,8 @@ class OmniwireRelay(Relay):  # type: ignore[misc]
 
     def close(self) -> None:
         self.closed = True
+        if self._fallback is not None:
+            self._fallback.close()
 
 
 def _log_failure(task: asyncio.Task[None]) -> None:
