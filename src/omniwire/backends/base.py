@@ -154,7 +154,7 @@ class BackendStats:
     #: target of a fan-out, each send of an ``Endpoint.empty`` buffer, each forward.
     objects_sent: int = 0
     bytes_sent: int = 0
-    #: Objects it imported (received from peers), and their bytes.
+    #: Objects the endpoint imported through it (received from peers), and their bytes.
     objects_received: int = 0
     bytes_received: int = 0
 
@@ -242,8 +242,6 @@ class Import:
         self.value = value
         self._closed = False
         backend._live_imports += 1
-        backend._received[0] += 1
-        backend._received[1] += nbytes
 
     async def fetch(self, lo: int, hi: int, dest: torch.Tensor | None = None) -> None:
         """Make bytes ``[lo, hi)`` available: in ``dest[lo:hi]`` if given, else in
@@ -313,7 +311,7 @@ class BackendBase(abc.ABC):
         self._live_exports = 0
         self._live_imports = 0
         self._sent = [0, 0]  # objects, bytes (note_sent)
-        self._received = [0, 0]  # (counted by Import)
+        self._received = [0, 0]  # objects, bytes (note_received)
 
     @classmethod
     def availability(cls) -> Availability:
@@ -386,6 +384,12 @@ class BackendBase(abc.ABC):
         :meth:`stats`; whatever export, share or landing carried it)."""
         self._sent[0] += 1
         self._sent[1] += nbytes
+
+    def note_received(self, nbytes: int) -> None:
+        """The endpoint imported an announced object of ``nbytes`` through this backend
+        (for :meth:`stats`)."""
+        self._received[0] += 1
+        self._received[1] += nbytes
 
     def detail(self) -> dict[str, int]:
         """Backend-specific counters for ``stats()`` (override; default none)."""

@@ -127,6 +127,7 @@ class ObjectReader:
         length = ref.ref.length
         zero_copy = self.core.config.zero_copy
         record.imp = imp = await backend.import_(info, ref.ref.info, length)
+        backend.note_received(length)
         if isinstance(backend, ObjectBackend):
             return imp.value
         if ref.layout == "per_tensor":

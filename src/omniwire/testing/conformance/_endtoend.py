@@ -92,6 +92,9 @@ class EndToEndChecks(Configured):
             harness.call(harness.round_trip, value, f"flight-{i}")
         mine, theirs = harness.call(harness.settled, self.backend)
         assert isinstance(mine, BackendStats) and mine.idle, mine
+        # what it carried is counted (by the base class and the endpoint), live or not
+        assert mine.objects_sent >= 5 and mine.objects_received >= 5, mine
+        assert mine.bytes_sent >= 5 * 8000 and mine.bytes_received >= 5 * 8000, mine
         assert all(isinstance(v, int) for v in mine.detail.values()), mine.detail
         assert theirs == (0, 0), f"the peer's {self.backend} holds handles: {theirs}"
 
