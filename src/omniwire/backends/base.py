@@ -142,9 +142,10 @@ class BackendContext:
 
 @dataclass(frozen=True)
 class BackendStats:
-    """What a backend holds and what it carried, counted by the base class.
-    ``exports`` and ``imports`` are the live handles: after every object was
-    acknowledged both are 0. The totals count since the backend started."""
+    """What a backend holds and what it carried. ``exports`` and ``imports`` are the
+    live handles, counted by the base class: after every object was acknowledged both
+    are 0. The totals count since the backend started, as the endpoint announces and
+    imports objects (:meth:`BackendBase.note_sent`, :meth:`BackendBase.note_received`)."""
 
     exports: int
     imports: int
