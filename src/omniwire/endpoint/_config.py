@@ -6,7 +6,8 @@ at construction.
 The constructor's signature, its docstring's ``Args``, the fields of
 :class:`EndpointConfig` and the README's option table are derived from it or
 tested against it (``tests/test_options.py``); adding an option means adding one
-:class:`Option` here and its parameter in ``Endpoint.__init__``.
+:class:`Option` here, its parameter in ``Endpoint.__init__`` and its field below
+(the tests name whichever is missing).
 
 Every option a user can get wrong is refused here with a
 :class:`~omniwire.errors.ConfigurationError` that names the option and the value,
@@ -31,7 +32,14 @@ from ..observe import Observer
 from ..routing import INLINE, DefaultPolicy, RoutingPolicy, StaticTablePolicy
 from ..wire._constants import MAX_TEXT_BYTES
 
-__all__ = ["OPTIONS", "EndpointConfig", "Option", "default_address", "options_table"]
+__all__ = [
+    "OPTIONS",
+    "EndpointConfig",
+    "Option",
+    "default_address",
+    "options_doc",
+    "options_table",
+]
 
 #: Counts fit a signed 64-bit integer (some travel in the Hello).
 _MAX_COUNT = (1 << 63) - 1
@@ -419,7 +427,6 @@ OPTIONS: tuple[Option, ...] = (
         "deliveries (`omniwire.observe`); None makes no observer call",
     ),
 )
-OPTION = {o.name: o for o in OPTIONS}
 
 
 def options_doc(indent: str) -> str:
