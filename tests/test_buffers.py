@@ -123,7 +123,7 @@ async def test_a_buffer_dropped_without_release_gives_its_memory_back_with_its_t
             await receipt.wait(10)
             del t, got
             gc.collect()
-        assert len(a._sender.born) == 0
+        assert len(a._sender.buffers.born) == 0
         with anyio.fail_after(5):
             while pool.bytes_in_use:
                 await anyio.sleep(0.01)

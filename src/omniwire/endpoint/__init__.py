@@ -16,6 +16,7 @@ _buffers      transport buffers (``Endpoint.empty``): tensors born in backend me
 _targets      one target or several (a fan-out), inside the observer's span
 _fanout       one payload to several targets: encoded once, packed once (shared refs)
 _receiver     the take path (read → deliver → ACK) and the one release path
+_holds        holds on received memory: zero-copy deliveries lent, forwards of them
 _reading      reading an announced object: import, fetch as announced, rebuild
 _inbox        a peer's DataReadys waiting to be taken, oldest first, by request id
 _deliveries   the delivery queue: scoped/unscoped consumers, holds, receive budget

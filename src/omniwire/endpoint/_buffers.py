@@ -27,21 +27,90 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
+import weakref
 from types import TracebackType
-from typing import TYPE_CHECKING
 
 import anyio
 import torch
 
 from .. import packing
+from ..backends.base import ByteBackend
 from ..delivery import SendReceipt
 from ..errors import BufferReleasedError, OmniwireError
+from ..routing import PayloadInfo
+from ._core import Core
+from ._peers import PeerTable
 from ._records import SharedExport
+from ._routebook import RouteBook
 
-if TYPE_CHECKING:
-    from ._sender import Sender
+__all__ = ["Buffers", "DropOnce", "TransportBuffer"]
 
-__all__ = ["DropOnce", "TransportBuffer"]
+
+class Buffers:
+    """An endpoint's transport buffers: ``Endpoint.empty`` makes them, a send finds
+    the one a payload is (:meth:`of`)."""
+
+    def __init__(self, core: Core, peers: PeerTable, routes: RouteBook) -> None:
+        self.core = core
+        self.peers = peers
+        self.routes = routes
+        #: live transport buffers, by their tensor's data_ptr, and the last released
+        #: ones (at most 256: a send of one is a clear error)
+        self.born: weakref.WeakValueDictionary[int, TransportBuffer] = (
+            weakref.WeakValueDictionary()
+        )  # (weak: a buffer the application dropped is no longer ours to keep)
+        self.released: dict[int, TransportBuffer] = {}
+
+    def of(self, tensors: list[torch.Tensor]) -> TransportBuffer | None:
+        """The transport buffer a payload of one tensor is, if it is one, whole."""
+        if len(tensors) != 1 or not (self.born or self.released):
+            return None
+        key = tensors[0].data_ptr()
+        buf = self.born.get(key) or self.released.get(key)
+        return buf if buf is not None and buf.matches(tensors[0]) else None
+
+    async def empty(
+        self, target: str, shape: tuple[int, ...], dtype: torch.dtype, device: str
+    ) -> TransportBuffer:
+        """A transport buffer for ``target`` (see the module docstring)."""
+        core = self.core
+        core.check_open()
+        peer = await self.peers.wait_ready(target, core.config.handshake_timeout)
+        nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+        info = PayloadInfo("payload", nbytes, frozenset({torch.device(device).type}), 1)
+        route = self.routes.select(peer, info)
+        backend = core.backends.get(route.backend)
+        if (
+            isinstance(backend, ByteBackend)
+            and type(backend).capabilities.shared_refs
+            and device == "cpu"
+        ):
+            pinfo = self.peers.connected_backend(peer, route.backend)
+            export = await backend.export(pinfo, nbytes, device)
+            assert export.buffer is not None
+            shared = SharedExport(export)
+            # The tensor's storage owns this array (and nothing else does): once the
+            # tensor and every view of it are gone, the slot goes back, even if the
+            # buffer was never released (dropped, or kept only as its tensor).
+            owner = export.buffer[:nbytes].numpy()
+            drop = DropOnce(shared, asyncio.get_running_loop())
+            weakref.finalize(owner, drop.soon)
+            tensor = torch.from_numpy(owner).view(dtype).view(shape)
+            buf = TransportBuffer(self, tensor, route.backend, shared, drop)
+        else:
+            buf = TransportBuffer(self, torch.empty(shape, dtype=dtype, device=device), None, None)
+        self.released.pop(buf.key, None)
+        self.born[buf.key] = buf
+        return buf
+
+    def gone(self, buf: TransportBuffer) -> None:
+        """``buf`` was released: a send of it is refused (see ``released``)."""
+        if self.born.get(buf.key) is buf:
+            del self.born[buf.key]
+        self.released[buf.key] = buf
+        while len(self.released) > 256:
+            del self.released[next(iter(self.released))]
 
 
 class DropOnce:
@@ -71,7 +140,7 @@ class TransportBuffer:
 
     def __init__(
         self,
-        sender: Sender,
+        owner: Buffers,
         tensor: torch.Tensor,
         backend: str | None,
         shared: SharedExport | None,
@@ -80,7 +149,7 @@ class TransportBuffer:
         self.tensor = tensor
         #: The backend whose memory holds it (``"shm"``), or None: ordinary memory, lent.
         self.backend = backend
-        self._sender = sender
+        self._owner = owner
         self._shared = shared
         self._drop = drop
         self._receipts: list[SendReceipt] = []
@@ -139,12 +208,7 @@ class TransportBuffer:
         if self._released:
             return
         self._released = True
-        sender = self._sender
-        if sender.born.get(self.key) is self:
-            del sender.born[self.key]
-        sender.released[self.key] = self
-        while len(sender.released) > 256:
-            del sender.released[next(iter(sender.released))]
+        self._owner.gone(self)
         if self._drop is not None:
             self._drop()
 
@@ -158,7 +222,7 @@ class TransportBuffer:
         tb: TracebackType | None,
     ) -> None:
         try:
-            await self.settled(self._sender.core.config.ack_timeout)
+            await self.settled(self._owner.core.config.ack_timeout)
         finally:
             self.release()
 

@@ -110,7 +110,7 @@ class Endpoint(Receiving):
         trace = os.environ.get("OMNIWIRE_TRACE", "") not in ("", "0")
         self._sender = Sender(core, self._peers, trace)
         self._receiver = Receiver(core, self._peers)
-        self._sender.receiver = self._receiver
+        self._sender.holds = self._receiver.holds
         self._receiver.deliveries.replier = self
         self._targets = Targets(self._sender)
         self._dispatch = Dispatcher(core, self._peers, self._sender, self._receiver)
@@ -245,7 +245,7 @@ class Endpoint(Receiving):
             HandshakeError: ``target`` did not complete its Hello in time.
             NoRouteError, ShmFullError, BackendError, EndpointClosedError.
         """
-        return await self._sender.empty(target, tuple(shape), dtype, device)
+        return await self._sender.buffers.empty(target, tuple(shape), dtype, device)
 
     @overload
     async def send(

@@ -92,8 +92,8 @@ class FanOut:
             try:
                 for peer, route in zip(peers, routes, strict=True):
                     shared: SharedExport | None = None
-                    if lend:  # a zero-copy delivery sent on: by reference, each target
-                        shared = await sender.forwarded(peer, route, enc.tensors)
+                    if lend and sender.holds is not None:  # a delivery sent on: by reference
+                        shared = await sender.holds.forwarded(peer, route, enc.tensors)
                         if shared is not None:
                             forwards.append(shared)
                     if shared is None and route.backend in sharing:

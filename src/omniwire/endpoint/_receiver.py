@@ -14,13 +14,11 @@ from __future__ import annotations
 
 import functools
 import logging
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
 import anyio
-import torch
 
 from .. import codec, hops, packing, wire
 from ..backends.base import ObjectBackend
@@ -33,6 +31,7 @@ from ..flow import ReceiveWindow
 from ._core import Core
 from ._deliveries import Deliveries
 from ._peers import PeerTable
+from ._holds import Holds
 from ._reading import ObjectReader, Share, nack_of
 from ._records import READY, InRecord, Peer, PeerStatus
 
@@ -50,6 +49,8 @@ class Receiver:
         self.budget = self.deliveries.budget
         self.reader = ObjectReader(core)
         self._inbox_limit = 4 * cfg.max_inflight + cfg.receive_buffer
+        #: zero-copy deliveries lent to the application, and the forwards of them
+        self.holds = Holds(core, peers, self.finish)
         self._made = 0  # deliveries made so far, and the last one (see _charged)
         self._last: Delivery | None = None
 
@@ -449,14 +450,20 @@ class Receiver:
             self._deliver(_error(peer, msg, failure[1], metadata, ref.backend))
             return
         hops.mark("recv: read and unpacked")
-        delivery = _data(peer, msg, ref.kind, value, metadata, ref.backend, ref.ref.length)
-        delivery._budget = share.bytes
-        if zero_copy and not isinstance(backend, ObjectBackend):
-            record.lent = True
-            delivery._on_release = lambda: self._released(peer, record)
-            self._deliver(delivery)
-        else:
-            self._deliver(delivery)
+        lent = zero_copy and not isinstance(backend, ObjectBackend)
+        delivery = _data(
+            peer,
+            msg,
+            ref.kind,
+            value,
+            metadata,
+            ref.backend,
+            ref.ref.length,
+            budget=share.bytes,
+            on_release=self.holds.lend(peer, record) if lent else None,
+        )
+        self._deliver(delivery)
+        if not lent:
             self.finish(peer, record)
 
     # -- the release path --------------------------------------------------------------
@@ -503,58 +510,6 @@ class Receiver:
         core.counters["acks_sent" if reason is None else "nacks_sent"] += 1
         core.outbox.post(peer, msg)
         hops.mark("recv: ACK posted")
-
-    def _released(self, peer: Peer, record: InRecord) -> None:
-        """A zero-copy delivery was released (from any thread)."""
-        if threading.get_ident() != self.core.loop_thread:
-            loop = self.core.loop
-            if loop is not None and not loop.is_closed():
-                loop.call_soon_threadsafe(self._released, peer, record)
-            return
-        record.app_released = True
-        if record.holds == 0:
-            self._finish_lent(peer, record)
-
-    # -- forwarding by reference (spec §9.2 "Forwarding") -------------------------------
-
-    def lent_holding(self, tensor: torch.Tensor) -> tuple[Peer, InRecord, int] | None:
-        """The zero-copy delivery, not yet released, whose memory holds all of the
-        (contiguous, CPU) ``tensor``, and where its bytes start in that object."""
-        ptr, nbytes = tensor.data_ptr(), tensor.nbytes
-        for peer in self.peers.all():
-            for record in peer.session.inbound.values():
-                if not record.lent or record.app_released or record.finished:
-                    continue
-                imp = record.imp
-                buf = imp.buffer if imp is not None else None
-                if buf is None or buf.device.type != "cpu":
-                    continue
-                lo = ptr - buf.data_ptr()
-                if lo >= 0 and lo + nbytes <= buf.nbytes:
-                    return peer, record, lo
-        return None
-
-    def hold(self, peer: Peer, record: InRecord) -> Callable[[], None]:
-        """Keep ``record`` unacknowledged (its sender keeps the memory) until the
-        returned callable is called (idempotent): a forward of it is in flight."""
-        record.holds += 1
-        held = True
-
-        def let_go() -> None:
-            nonlocal held
-            if held:
-                held = False
-                record.holds -= 1
-                if record.holds == 0 and record.app_released:
-                    self._finish_lent(peer, record)
-
-        return let_go
-
-    def _finish_lent(self, peer: Peer, record: InRecord) -> None:
-        aborted = self.core.aborts.is_aborted(record.request_id)
-        self.finish(
-            peer, record, "aborted" if aborted else None, "request aborted" if aborted else ""
-        )
 
     # -- deliveries ----------------------------------------------------------------------
 
@@ -658,7 +613,12 @@ def _data(
     backend: str,
     nbytes: int,
 ) -> Delivery:
-    """A payload or stream chunk for the application (a chunk opens its stream)."""
+    *,
+    budget: int | None = None,
+    on_release: Callable[[], None] | None = None,
+    """A payload or stream chunk for the application (a chunk opens its stream),
+    holding ``budget`` bytes of the receive budget; ``on_release``: it views memory
+    lent to it, its ``release()`` calls that."""
     delivered: DeliveryKind = "payload" if kind == "payload" else "stream_chunk"
     if delivered == "stream_chunk":  # (re)opens its stream, the newest for the idle check
         streams = peer.open_streams
@@ -675,6 +635,8 @@ def _data(
         nbytes=nbytes,
         traceparent=msg.traceparent,
     )
+        _on_release=on_release,
+        _budget=budget,
 
 
 def _error(

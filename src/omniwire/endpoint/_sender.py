@@ -9,14 +9,11 @@ settles the receipt early but leaves the buffer reserved until then.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import itertools
 import logging
-import math
 import time
-import weakref
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import anyio
 import msgspec
@@ -39,18 +36,16 @@ from ..errors import (
     RequestAbortedError,
 )
 from ..flow import Credits, Window
-from ..routing import INLINE, PayloadInfo, Route
-from ._buffers import DropOnce, TransportBuffer
+from ..routing import INLINE, Route
+from ._buffers import Buffers
 from ._core import Core
 from ._exporting import export_bytes, publish_rest
 from ._inline import Kind, carried_inline, fit, inline_message, payload_info, unaccount
+from ._holds import Holds
 from ._peers import PeerTable
-from ._records import READY, ForwardedExport, OutRecord, Peer, PeerStatus, SharedExport
+from ._records import READY, OutRecord, Peer, PeerStatus, SharedExport
 from ._routebook import RouteBook
 from ._stats import RouteStats
-
-if TYPE_CHECKING:
-    from ._receiver import Receiver
 
 __all__ = ["Kind", "Sender", "payload_info"]
 
@@ -66,15 +61,11 @@ class Sender:
         #: per (peer, kind, backend): what went that way (the book's, kept in place)
         self.route_stats = self.routes.stats
         self._ids = itertools.count(1)
-        #: live transport buffers (``Endpoint.empty``), by their tensor's data_ptr, and
-        #: the last released ones (at most 256: a send of one is a clear error)
-        self.born: weakref.WeakValueDictionary[int, TransportBuffer] = (
-            weakref.WeakValueDictionary()
-        )  # (weak: a buffer the application dropped is no longer ours to keep)
-        self.released: dict[int, TransportBuffer] = {}
-        #: Where zero-copy deliveries come from, for forwards by reference (set by the
-        #: endpoint; None: nothing is forwarded).
-        self.receiver: Receiver | None = None
+        #: tensors born in transport memory (``Endpoint.empty``)
+        self.buffers = Buffers(core, peers, self.routes)
+        #: the receiver's zero-copy deliveries, for forwards by reference (set by the
+        #: endpoint; None: nothing is forwarded)
+        self.holds: Holds | None = None
 
     # -- the API ---------------------------------------------------------------------
 
@@ -120,17 +111,17 @@ class Sender:
             else:
                 layout = packing.plan(enc.tensors, enc.paths)
                 route = self.routes.route_of(peer, kind, enc.tensors, layout)
-            born = self._born(enc.tensors)
+            born = self.buffers.of(enc.tensors)
             shared = forward = None
             if born is not None:
                 lend = lend or born.backend is None  # ordinary memory: lent to the engine
                 shared = born.shared_for(route.backend)  # BufferReleasedError; None: packed
-            elif lend:
                 if shared is not None and not core.backends[route.backend].shares(
                     shared.export, self.peers.connected_backend(peer, route.backend)
                 ):
                     shared = None  # a form this peer cannot read (shm §9.2): packed
-                shared = forward = await self.forwarded(peer, route, enc.tensors)
+            elif lend and self.holds is not None:
+                shared = forward = await self.holds.forwarded(peer, route, enc.tensors)
             try:
                 receipt = await self.send_routed(
                     peer,
@@ -151,99 +142,6 @@ class Sender:
             if born is not None:
                 born.sent(receipt)
             return receipt
-
-    async def forwarded(
-        self, peer: Peer, route: Route, tensors: list[torch.Tensor]
-    ) -> ForwardedExport | None:
-        """An export naming, by reference, the memory of a zero-copy delivery that
-        holds the payload's one tensor (spec §9.2 "Forwarding"), with a hold on that
-        delivery — its ACK waits until the export is released — or None: pack it.
-
-        Only a payload whose tensors are exactly one tensor (``tensors``: every tensor
-        of the payload, wherever it sits among its containers and plain values),
-        non-empty, on the CPU, contiguous, holding its values, and lying wholly in the
-        memory of a zero-copy delivery not yet released, goes by reference: through
-        the backend that delivered it, to a peer that reads forwards
-        (``Import.forward``), or through any backend that reads or writes lent memory
-        in place (``export_tensors``: mooncake and nixl from the landing it arrived
-        in, without registering it again; nccl). The caller drops the export's first
-        share (its own) once the send has taken one.
-        """
-        receiver = self.receiver
-        if receiver is None or len(tensors) != 1:
-            return None
-        t = tensors[0]
-        if (
-            not t.is_cpu
-            or t.nbytes == 0
-            or not t.is_contiguous()
-            or not packing.holds_its_values(t)
-        ):
-            return None
-        found = receiver.lent_holding(t)
-        if found is None:
-            return None
-        upstream, record, lo = found
-        imp = record.imp
-        if imp is None:
-            return None
-        info = self.peers.connected_backend(peer, route.backend)
-        export = imp.forward(info, lo, t.nbytes) if record.ref.backend == route.backend else None
-        if export is None:
-            backend = self.core.backends.get(route.backend)
-            if isinstance(backend, ByteBackend):
-                export = await backend.export_tensors(info, [t], lent=True)
-            if export is not None and (export.buffer is not None or record.finished):
-                export.release()  # (a copy, or the delivery ended meanwhile): packed
-                export = None
-        if export is None:
-            return None
-        counters = self.core.counters
-        counters["objects_forwarded"] += 1
-        counters["bytes_forwarded"] += t.nbytes
-        return ForwardedExport(export, receiver.hold(upstream, record))
-
-    def _born(self, tensors: list[torch.Tensor]) -> TransportBuffer | None:
-        """The transport buffer a payload of one tensor is, if it is one, whole."""
-        if len(tensors) != 1 or not (self.born or self.released):
-            return None
-        key = tensors[0].data_ptr()
-        buf = self.born.get(key) or self.released.get(key)
-        return buf if buf is not None and buf.matches(tensors[0]) else None
-
-    async def empty(
-        self, target: str, shape: tuple[int, ...], dtype: torch.dtype, device: str
-    ) -> TransportBuffer:
-        """A transport buffer for ``target`` (see ``_buffers``)."""
-        core = self.core
-        core.check_open()
-        peer = await self.peers.wait_ready(target, core.config.handshake_timeout)
-        nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
-        info = PayloadInfo("payload", nbytes, frozenset({torch.device(device).type}), 1)
-        route = self.routes.select(peer, info)
-        backend = core.backends.get(route.backend)
-        if (
-            isinstance(backend, ByteBackend)
-            and type(backend).capabilities.shared_refs
-            and device == "cpu"
-        ):
-            pinfo = self.peers.connected_backend(peer, route.backend)
-            export = await backend.export(pinfo, nbytes, device)
-            assert export.buffer is not None
-            shared = SharedExport(export)
-            # The tensor's storage owns this array (and nothing else does): once the
-            # tensor and every view of it are gone, the slot goes back, even if the
-            # buffer was never released (dropped, or kept only as its tensor).
-            owner = export.buffer[:nbytes].numpy()
-            drop = DropOnce(shared, asyncio.get_running_loop())
-            weakref.finalize(owner, drop.soon)
-            tensor = torch.from_numpy(owner).view(dtype).view(shape)
-            buf = TransportBuffer(self, tensor, route.backend, shared, drop)
-        else:
-            buf = TransportBuffer(self, torch.empty(shape, dtype=dtype, device=device), None, None)
-        self.released.pop(buf.key, None)
-        self.born[buf.key] = buf
-        return buf
 
     async def send_routed(
         self,
