@@ -30,8 +30,8 @@ from ..errors import (
 from ..flow import ReceiveWindow
 from ._core import Core
 from ._deliveries import Deliveries
-from ._peers import PeerTable
 from ._holds import Holds
+from ._peers import PeerTable
 from ._reading import ObjectReader, Share, nack_of
 from ._records import READY, InRecord, Peer, PeerStatus
 
@@ -48,9 +48,9 @@ class Receiver:
         self.deliveries = Deliveries(core)
         self.budget = self.deliveries.budget
         self.reader = ObjectReader(core)
-        self._inbox_limit = 4 * cfg.max_inflight + cfg.receive_buffer
         #: zero-copy deliveries lent to the application, and the forwards of them
         self.holds = Holds(core, peers, self.finish)
+        self._inbox_limit = 4 * cfg.max_inflight + cfg.receive_buffer
         self._made = 0  # deliveries made so far, and the last one (see _charged)
         self._last: Delivery | None = None
 
@@ -612,10 +612,10 @@ def _data(
     metadata: Any,
     backend: str,
     nbytes: int,
-) -> Delivery:
     *,
     budget: int | None = None,
     on_release: Callable[[], None] | None = None,
+) -> Delivery:
     """A payload or stream chunk for the application (a chunk opens its stream),
     holding ``budget`` bytes of the receive budget; ``on_release``: it views memory
     lent to it, its ``release()`` calls that."""
@@ -634,9 +634,9 @@ def _data(
         backend=backend,
         nbytes=nbytes,
         traceparent=msg.traceparent,
-    )
         _on_release=on_release,
         _budget=budget,
+    )
 
 
 def _error(

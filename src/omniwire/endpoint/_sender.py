@@ -40,8 +40,8 @@ from ..routing import INLINE, Route
 from ._buffers import Buffers
 from ._core import Core
 from ._exporting import export_bytes, publish_rest
-from ._inline import Kind, carried_inline, fit, inline_message, payload_info, unaccount
 from ._holds import Holds
+from ._inline import Kind, carried_inline, fit, inline_message, payload_info, unaccount
 from ._peers import PeerTable
 from ._records import READY, OutRecord, Peer, PeerStatus, SharedExport
 from ._routebook import RouteBook
