@@ -7,6 +7,8 @@ something impossible.
 
 from __future__ import annotations
 
+from typing import TypeVar
+
 __all__ = [
     "AckTimeoutError",
     "AddressError",
@@ -39,7 +41,26 @@ __all__ = [
     "UnknownNameError",
     "UnsupportedVersionError",
     "WireFormatError",
+    "described",
+    "reason_text",
 ]
+
+
+def reason_text(why: object, default: str) -> str:
+    """``why`` as the reason in an error message, never empty: an exception whose
+    text is empty says its type, and ``None`` or an empty text says ``default``."""
+    text = "" if why is None else str(why).strip()
+    if text:
+        return text
+    if isinstance(why, BaseException):
+        return type(why).__name__
+    return default
+
+
+def described(exc: BaseException) -> str:
+    """``Type: text`` of an exception for a message, or ``Type`` where its text is empty."""
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 class OmniwireError(Exception):
@@ -177,6 +198,15 @@ class PeerNameMismatchError(PeerRefusedError):
 
 class PeerLostError(OmniwireError):
     """A peer died, restarted or disconnected while transfers to it were in flight."""
+
+    @classmethod
+    def of(cls: type[_Lost], peer: str, reason: object, *, closed: bool = False) -> _Lost:
+        """The error for ``peer`` gone for ``reason`` (never an empty one)."""
+        what = "closed" if closed else "was lost"
+        return cls(f"peer {peer!r} {what}: {reason_text(reason, 'no reason known')}")
+
+
+_Lost = TypeVar("_Lost", bound=PeerLostError)
 
 
 class PeerClosedError(PeerLostError):

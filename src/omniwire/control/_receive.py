@@ -17,11 +17,15 @@ import zmq
 import zmq.asyncio
 
 from .. import hops
-from ..errors import EndpointClosedError
+from ..errors import EndpointClosedError, reason_text
 from ._sockets import Sockets, closed_error, fail_all, remove_reader
 
 #: As a plain int: ``int & zmq.POLLIN`` builds an IntFlag (~2 µs, at every wake-up).
 _POLLIN = int(zmq.POLLIN)
+
+
+def _closed(exc: zmq.ZMQError) -> EndpointClosedError:
+    return EndpointClosedError(f"control plane is closed: {reason_text(exc, 'socket error')}")
 
 
 class Inbox:
@@ -68,7 +72,7 @@ class Inbox:
         except zmq.Again:
             pass
         except zmq.ZMQError as exc:
-            raise EndpointClosedError(f"control plane is closed: {exc}") from exc
+            raise _closed(exc) from exc
         if frames:
             hops.mark("frames in")
         return frames
@@ -104,7 +108,7 @@ class Inbox:
             ready = cast(int, zmq.Socket.getsockopt(watch[2], zmq.EVENTS)) & _POLLIN
         except zmq.ZMQError as exc:
             if fut is not None and not fut.done():
-                fut.set_exception(EndpointClosedError(f"control plane is closed: {exc}"))
+                fut.set_exception(_closed(exc))
             return
         if not ready or fut is None or fut.done():
             return
@@ -132,12 +136,12 @@ class Inbox:
         try:
             fut = cast("asyncio.Future[bytes]", sock.recv())
         except zmq.ZMQError as exc:
-            raise EndpointClosedError(f"control plane is closed: {exc}") from exc
+            raise _closed(exc) from exc
         self._reads.add(fut)
         try:
             return await fut
         except zmq.ZMQError as exc:
-            raise EndpointClosedError(f"control plane is closed: {exc}") from exc
+            raise _closed(exc) from exc
         finally:
             self._reads.discard(fut)
 

@@ -30,6 +30,7 @@ from ..errors import (
     RequestAbortedError,
     UnsupportedVersionError,
     WireFormatError,
+    reason_text,
 )
 from ..ring import RingError, RingReader
 from ._core import Core, State
@@ -148,7 +149,7 @@ class Dispatcher:
 
         def on_closed(error: RingError | None) -> None:
             if peer.generation == generation and self.core.state is State.OPEN:
-                why = error or "its writer closed without a Goodbye"
+                why = reason_text(error, "its writer closed without a Goodbye")
                 self.peers.lose(peer, f"its control ring ended ({why})")
 
         reader.start(on_frames, on_closed)

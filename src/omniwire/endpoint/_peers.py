@@ -374,9 +374,13 @@ class PeerTable:
                 await event.wait()
 
     def gone_error(self, peer: Peer) -> PeerLostError:
+        """The error of a send whose session with ``peer`` ended (its reason: never
+        empty, also when the peer is back in a new session)."""
         if peer.status is PeerStatus.CLOSED:
-            return PeerClosedError(f"peer {peer.name!r} closed: {peer.reason}")
-        return PeerLostError(f"peer {peer.name!r} was lost: {peer.reason}")
+            return PeerClosedError.of(peer.name, peer.reason, closed=True)
+        if peer.status is PeerStatus.LOST:
+            return PeerLostError.of(peer.name, peer.reason)
+        return PeerLostError.of(peer.name, "the session the send began in ended")
 
     def _not_ready_error(self, name: str, peer: Peer | None, timeout: float) -> OmniwireError:
         if peer is None:
@@ -434,9 +438,7 @@ class PeerTable:
         elif was_ready or out or inn:
             core.counters["peers_lost"] += 1
             core.noisy.warning("lost", "%s: peer %s lost: %s", core.name, peer.name, reason)
-        error = cls(
-            f"peer {peer.name!r} {'closed' if status is PeerStatus.CLOSED else 'was lost'}: {reason}"
-        )
+        error = cls.of(peer.name, reason, closed=status is PeerStatus.CLOSED)
         self._on_gone(peer, out, inn, cause, error)
         for each in core.backends.values():
             each.peer_gone(peer.name)  # what it lent that peer comes back (landings)

@@ -21,6 +21,8 @@ from ..errors import (
     DigestMismatchError,
     OmniwireError,
     WireFormatError,
+    described,
+    reason_text,
 )
 from ..flow import FairBudget
 from ..recvpool import RecvPool
@@ -38,13 +40,13 @@ def nack_of(exc: Exception) -> tuple[wire.NackReason, str] | None:
     """The NACK reason and text for an object whose read raised ``exc`` (spec §7.4);
     None when ``exc`` is not a failure of the read (a bug: let it propagate)."""
     if isinstance(exc, (WireFormatError, BadReferenceError)):  # the peer's fault
-        return "malformed", str(exc)
+        return "malformed", reason_text(exc, "malformed")
     if isinstance(exc, Stalled):
-        return "timeout", str(exc)
+        return "timeout", reason_text(exc, "stalled")
     if isinstance(exc, DigestMismatchError):
-        return "digest_mismatch", str(exc)
+        return "digest_mismatch", reason_text(exc, "digest mismatch")
     if isinstance(exc, (OmniwireError, TypeError, ValueError, RuntimeError, OSError)):
-        return "backend_error", f"{type(exc).__name__}: {exc}"
+        return "backend_error", described(exc)
     return None
 
 

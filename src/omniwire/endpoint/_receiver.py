@@ -26,6 +26,7 @@ from ..delivery import Delivery, DeliveryKind
 from ..errors import (
     PeerLostError,
     WireFormatError,
+    described,
 )
 from ..flow import ReceiveWindow
 from ._core import Core
@@ -222,7 +223,7 @@ class Receiver:
         except Exception as exc:  # a bug must not stop the peer's inbox, nor lose the item
             self.core.counters["internal_errors"] += 1
             log.exception("%s: failed to take data from %s", self.core.name, peer.name)
-            why = f"receiver error: {type(exc).__name__}: {exc}"
+            why = f"receiver error: {described(exc)}"
             record = item if isinstance(item, InRecord) else None
             if self._made == made:  # nothing of it reached the application: say so
                 if record is not None:
@@ -422,7 +423,7 @@ class Receiver:
                 if failure is None:  # not a failure a read may have: a bug, still reported
                     self.core.counters["internal_errors"] += 1
                     log.exception("%s: reading object from %s failed", self.core.name, peer.name)
-                    failure = "internal", f"receiver error: {type(exc).__name__}: {exc}"
+                    failure = "internal", f"receiver error: {described(exc)}"
             finally:
                 peer.current_take = None
         aborted = self.core.aborts.is_aborted(msg.request_id)

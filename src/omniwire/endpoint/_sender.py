@@ -34,6 +34,7 @@ from ..errors import (
     PeerLostError,
     PeerUnresponsiveError,
     RequestAbortedError,
+    reason_text,
 )
 from ..flow import Credits, Window
 from ..routing import INLINE, Route
@@ -342,7 +343,7 @@ class Sender:
                 PeerUnresponsiveError,
             )
             if what == "window":
-                raise PeerUnresponsiveError(f"peer {peer.name!r} was lost: {peer.reason}")
+                raise PeerUnresponsiveError.of(peer.name, peer.reason)
 
     # -- objects -----------------------------------------------------------------------
 
@@ -560,7 +561,8 @@ class Sender:
         else:
             error = BackendError(
                 f"{peer.name!r} could not take object {record.object_id} of request "
-                f"{record.request_id!r} ({msg.reason or 'internal'}): {msg.error or ''}"
+                f"{record.request_id!r} ({msg.reason or 'internal'}): "
+                f"{reason_text(msg.error, 'it gave no detail')}"
             )
             self.core.noisy.warning("nack", "%s: %s", self.core.name, error)
         record.release(error, "refused")
