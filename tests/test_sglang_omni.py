@@ -223,6 +223,32 @@ async def test_large_tensor_through_omniwire_and_abort(tmp_path: Path) -> None:
         await far_wire.aclose()
 
 
+@pytest.mark.asyncio
+async def test_an_object_sent_survives_its_sender_closing(tmp_path: Path) -> None:
+    """The object reached far's endpoint, then the sending stage stopped before
+    sglang-omni's get_async asked for it: far still reads the right bytes (a zero-copy
+    delivery keeps its memory until released)."""
+    from omniwire.integrations.sglang_omni._relay import OmniwireRelay
+
+    src_wire, far_wire = await _two_wires(tmp_path)
+    try:
+        sender, receiver = OmniwireRelay("src_relay"), OmniwireRelay("far_relay")
+        data = torch.randint(0, 255, (1 << 20,), dtype=torch.uint8)
+        op = await sender.put_async(data, request_id="r3", receiver_id="far")
+        for _ in range(200):  # far's endpoint took it (bounded: 10 s)
+            if far_wire.arrived:
+                break
+            await asyncio.sleep(0.05)
+        await src_wire.aclose()
+        dest = torch.zeros(1 << 20, dtype=torch.uint8)
+        got = await receiver.get_async(op.metadata, dest, request_id="r3")
+        await got.wait_for_completion(timeout=20)
+        assert torch.equal(dest, data)
+    finally:
+        await src_wire.aclose()
+        await far_wire.aclose()
+
+
 def test_pth_hook_enables_on_import_of_the_stage_runtime(tmp_path: Path) -> None:
     from omniwire.integrations.sglang_omni.__main__ import main
 
