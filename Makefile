@@ -1,5 +1,8 @@
 # omniwire: `make run` sets everything up and runs the demo; `make test` sets
 # everything up and runs the whole suite. Only python3 and make are needed.
+# `make setup` is what one host needs (the project with its test and bench extras);
+# `make setup ENGINES=1` adds the cross-host engines (the mooncake and nixl extras,
+# and as root the Debian libraries they load). `make test` always adds them.
 
 PYTHON ?= python3
 VENV   ?= .venv
@@ -8,7 +11,10 @@ BIN    := $(VENV)/bin
 # downloaded). uv/poetry would fetch a 3 GB CUDA build: setup uses pip only.
 TORCH  ?= torch==2.13.0
 STAMP  := $(VENV)/.omniwire-setup
-EXTRAS := test,bench,mooncake,nixl
+ENGINE_STAMP := $(VENV)/.omniwire-engines
+ENGINES ?=
+EXTRAS := test,bench
+ENGINE_EXTRAS := mooncake,nixl
 EXAMPLE := examples/omniwire-backend-example
 # tests/test_sglang_omni.py: sglang-omni 0.1.9 without its GPU tree (--no-deps) plus the light packages
 # its comm/relay/pipeline/scheduling modules import, beside the venv (pip check would miss its GPU tree)
@@ -18,17 +24,14 @@ SGLANG_OMNI := --target $(VENV)/sglang-omni pydantic PyYAML pybase64 starlette h
 # iproute2 (ip, tc): the namespace "hosts" of tests/test_cluster.py
 DEB_LIBS := libibverbs1 libnl-3-200 libnl-route-3-200 iproute2
 
-.PHONY: setup run test lint typecheck package bench demo-remote clean
+.PHONY: setup engines run test lint typecheck package bench demo-remote clean
 
-setup: $(STAMP)
+setup: $(STAMP) $(if $(filter-out 0,$(ENGINES)),$(ENGINE_STAMP))
+
+# The engines: `make setup ENGINES=1`, `make engines`, or `pip install omniwire[mooncake,nixl]`.
+engines: $(ENGINE_STAMP)
 
 $(STAMP): pyproject.toml Makefile $(wildcard $(EXAMPLE)/pyproject.toml)
-	@if [ "$$(id -u)" = 0 ] && ! dpkg -s $(DEB_LIBS) >/dev/null 2>&1; then \
-		echo "== installing $(DEB_LIBS)"; \
-		export DEBIAN_FRONTEND=noninteractive; \
-		apt-get install -y -q --no-install-recommends $(DEB_LIBS) >/dev/null 2>&1 || \
-		{ apt-get update -q >/dev/null && apt-get install -y -q --no-install-recommends $(DEB_LIBS); }; \
-	fi
 	@[ -x $(BIN)/python ] || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "$(TORCH)"
@@ -37,10 +40,20 @@ $(STAMP): pyproject.toml Makefile $(wildcard $(EXAMPLE)/pyproject.toml)
 	$(BIN)/python -m pip install -q --no-deps --target $(VENV)/sglang-omni sglang-omni==0.1.9 && $(BIN)/python -m pip install -q $(SGLANG_OMNI)
 	@touch $(STAMP)
 
+$(ENGINE_STAMP): $(STAMP)
+	@if [ "$$(id -u)" = 0 ] && ! dpkg -s $(DEB_LIBS) >/dev/null 2>&1; then \
+		echo "== installing $(DEB_LIBS)"; \
+		export DEBIAN_FRONTEND=noninteractive; \
+		apt-get install -y -q --no-install-recommends $(DEB_LIBS) >/dev/null 2>&1 || \
+		{ apt-get update -q >/dev/null && apt-get install -y -q --no-install-recommends $(DEB_LIBS); }; \
+	fi
+	$(BIN)/python -m pip install -q -e ".[$(EXTRAS),$(ENGINE_EXTRAS)]"
+	@touch $(ENGINE_STAMP)
+
 run: setup
 	OMP_NUM_THREADS=1 $(BIN)/omniwire demo
 
-demo-remote: setup
+demo-remote: engines
 	OMP_NUM_THREADS=1 $(BIN)/omniwire demo --remote
 
 lint: setup
@@ -53,7 +66,7 @@ typecheck: setup
 # In `make test` (and so in CI) every engine that can run on a CPU must load:
 # OMNIWIRE_REQUIRE_ENGINES turns "skipped: engine missing" into a failure.
 # --durations: the slowest tests in every CI log (the suite has a 15-minute budget).
-test: lint typecheck package
+test: engines lint typecheck package
 	OMNIWIRE_REQUIRE_ENGINES=1 HYPOTHESIS_PROFILE=ci OMP_NUM_THREADS=1 \
 		$(BIN)/python -m pytest --durations=25
 
@@ -72,7 +85,7 @@ test: lint typecheck package
 DIST     := build/dist
 PKG_ENV  := build/pkg-venv
 BARE_ENV := build/bare-venv
-package: setup
+package: engines
 	@echo "== package: build sdist and wheel"
 	rm -rf $(DIST) $(PKG_ENV) $(BARE_ENV)
 	mkdir -p build
@@ -99,7 +112,7 @@ package: setup
 	$(BIN)/python -m pip --python $(PKG_ENV)/bin/python install -q --no-deps --force-reinstall \
 		$(DIST)/omniwire-*.whl
 	$(BIN)/python -m pip --python $(PKG_ENV)/bin/python install -q \
-		"$$(ls $(DIST)/omniwire-*.whl)[$(EXTRAS),metrics,tracing]"
+		"$$(ls $(DIST)/omniwire-*.whl)[$(EXTRAS),$(ENGINE_EXTRAS),metrics,tracing]"
 	$(BIN)/python -m pip --python $(PKG_ENV)/bin/python check
 	$(PKG_ENV)/bin/python -c 'import omniwire, sys; f = omniwire.__file__; \
 		print("omniwire", omniwire.__version__, "from", f); sys.exit("$(PKG_ENV)" not in f)'
@@ -107,7 +120,7 @@ package: setup
 
 # `make bench BENCH_ARGS="--quick --busy --json bench.json --plot bench.png"`
 BENCH_ARGS ?=
-bench: setup
+bench: engines
 	OMP_NUM_THREADS=1 $(BIN)/omniwire bench $(BENCH_ARGS)
 
 clean:
