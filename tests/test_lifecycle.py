@@ -31,7 +31,7 @@ from omniwire.errors import (
     RequestAbortedError,
     UnknownNameError,
 )
-from omniwire.testing import PeerProcess
+from omniwire.testing import PeerProcess, _warm
 from omniwire.testing.conformance import ipc_address
 
 from lifecycle_support import (
@@ -478,3 +478,53 @@ def test_trio_is_refused_at_start_saying_asyncio() -> None:
     with pytest.raises(ConfigurationError, match="asyncio"):
         anyio.run(main, backend="trio")
     assert not existing(socket_files(address))
+
+
+# ---------------------------------------------------------------- start-up
+
+
+@pytest.mark.slow
+@pytest.mark.asyncio
+async def test_three_processes_started_at_once_reach_every_peer() -> None:
+    """Issue 47 item 5: three stages started at the same moment — some connect
+    before the next one listens — each naming only its downstream stage (the last
+    names the first, which it answers): each completes its handshake with both
+    neighbours, the downstream by its address, the upstream by the Hello it sent.
+    No timing is asserted (README "Start-up" says what to expect, and
+    scripts/startup_time.py measures it); the bound catches a hang."""
+    names = ["encoder", "thinker", "talker"]
+    addrs = {n: ipc_address(n) for n in names}
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    procs: list[Any] = []
+    try:
+        for i, name in enumerate(names):
+            down, up = names[(i + 1) % len(names)], names[i - 1]
+            argv = ["-m", "omniwire.peer", "--name", name, "--address", addrs[name]]
+            argv += [f"--peer={down}={addrs[down]}", f"--wait-peer={down}", f"--wait-peer={up}"]
+            procs.append(_warm.start(argv, env))
+        said: list[list[str]] = []
+        with anyio.fail_after(120):
+            for proc in procs:
+                lines = []
+                for _ in range(2):
+                    line = await anyio.to_thread.run_sync(
+                        proc.stdout.readline, abandon_on_cancel=True
+                    )
+                    lines.append(line.strip())
+                said.append(lines)
+        for name, lines, i in zip(names, said, range(3), strict=True):
+            down, up = names[(i + 1) % len(names)], names[i - 1]
+            assert lines[0].startswith("READY "), (name, lines)
+            assert lines[1] == f"PEERS {down},{up}", (name, lines)
+        for proc in procs:
+            proc.terminate()
+        with anyio.fail_after(60):
+            codes = [await anyio.to_thread.run_sync(proc.wait) for proc in procs]
+        assert codes == [0, 0, 0]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            if proc.stdout is not None:
+                proc.stdout.close()

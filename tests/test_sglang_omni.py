@@ -48,7 +48,8 @@ def sglang_cpu_fixture():  # type: ignore[no-untyped-def]
         if os.environ.get("OMNIWIRE_REQUIRE_ENGINES") == "1":
             pytest.fail(reason + " (OMNIWIRE_REQUIRE_ENGINES=1: it must be)")
         pytest.skip(reason)
-    if importlib.util.find_spec("sglang") is None:
+    spec = importlib.util.find_spec("sglang")
+    if spec is None or str(spec.origin or "").startswith(str(STUB)):
         sys.path.insert(0, str(STUB))
         os.environ["PYTHONPATH"] = os.pathsep.join(
             filter(None, [str(STUB), os.environ.get("PYTHONPATH")])

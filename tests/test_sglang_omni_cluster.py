@@ -53,9 +53,11 @@ def env() -> dict[str, str]:
 
 
 def _has_sglang() -> bool:
+    """The real ``sglang`` (not the stub another test module may have imported)."""
     import importlib.util
 
-    return importlib.util.find_spec("sglang") is not None
+    spec = importlib.util.find_spec("sglang")
+    return spec is not None and not str(spec.origin or "").startswith(str(STUB))
 
 
 def test_stages_on_two_hosts_move_data_through_omniwire_mooncake(

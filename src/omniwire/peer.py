@@ -30,7 +30,8 @@ what this endpoint's backends hold, for the conformance suite; one with
 ``"counters": True`` with ``{"counters": {name: int}}`` (the endpoint's counters:
 ``bytes_packed``, ``bytes_copied``, ``objects_forwarded``, …).
 
-It prints ``READY <address>`` once listening and exits 0 on SIGTERM or when
+It prints ``READY <address>`` once listening (and ``PEERS <names>`` once each
+``--wait-peer`` completed its handshake) and exits 0 on SIGTERM or when
 ``--exit-after`` deliveries were handled. Used by the conformance suite and the
 multi-process tests and by ``omniwire bench``; it is also a small example of the
 Endpoint API.
@@ -56,6 +57,12 @@ def _parser(prog: str = "python -m omniwire.peer") -> argparse.ArgumentParser:
     p.add_argument("--name", required=True)
     p.add_argument("--address", required=True)
     p.add_argument("--peer", action="append", default=[], help="NAME=ADDRESS")
+    p.add_argument(
+        "--wait-peer",
+        action="append",
+        default=[],
+        help="print PEERS <names> once each NAME completed its handshake (repeatable)",
+    )
     p.add_argument("--mode", choices=["echo", "sink", "bench", "forward"], default="echo")
     p.add_argument("--forward-to", default="", help="forward mode: NAME[,NAME...]")
     p.add_argument("--backends", default=None, help="comma-separated backend names")
@@ -224,6 +231,14 @@ async def run(args: argparse.Namespace) -> int:
                         return
 
                 tg.start_soon(stop_on_signal)
+                if args.wait_peer:
+
+                    async def announce_peers() -> None:
+                        for name in args.wait_peer:
+                            await ep.wait_peer(name, 120)  # HandshakeError: exit 1
+                        print(f"PEERS {','.join(args.wait_peer)}", flush=True)
+
+                    tg.start_soon(announce_peers)
                 held = []
                 tally = Tally()
                 targets = [t for t in args.forward_to.split(",") if t]
