@@ -302,9 +302,7 @@ def messages() -> dict[str, wire.Message]:
         # §10.7: frame 42 of the encoder's session with the thinker, whose token it
         # carries; the encoder has applied the thinker's frames up to 7
         "batch_numbered": wire.BatchMessage(
-            messages=(
-                wire.DataAckMessage(object_id=19, from_stage="encoder", to_stage="thinker"),
-            ),
+            messages=(wire.DataAckMessage(object_id=19, from_stage="encoder", to_stage="thinker"),),
             from_stage="encoder",
             session=SESSION_THINKER,
             seq=42,
@@ -549,7 +547,9 @@ def compat() -> dict[str, tuple[bytes, wire.Message]]:
     return {
         "hello_1_0": (
             _frame(
-                _without(hello10, "to_endpoint", "ring", "ring_attached", "window", "epoch", "session"),
+                _without(
+                    hello10, "to_endpoint", "ring", "ring_attached", "window", "epoch", "session"
+                ),
                 minor=0,
             ),
             hello10,
@@ -836,9 +836,15 @@ def negatives() -> list[dict[str, Any]]:
         dict(
             name="batch_ack_with_messages",
             data=_frame(
-                {"type": "batch", "messages": [ack], "from_stage": "encoder",
-                 "session": 5, "seq": 0, "ack": 3}
-            ),  # fmt: skip
+                {
+                    "type": "batch",
+                    "messages": [ack],
+                    "from_stage": "encoder",
+                    "session": 5,
+                    "seq": 0,
+                    "ack": 3,
+                }
+            ),
             layer=v,
             error=wfe,
             match="an ack alone",
@@ -847,9 +853,15 @@ def negatives() -> list[dict[str, Any]]:
         dict(
             name="batch_numbered_without_session",
             data=_frame(
-                {"type": "batch", "messages": [ack], "from_stage": "encoder",
-                 "session": 0, "seq": 1, "ack": 0}
-            ),  # fmt: skip
+                {
+                    "type": "batch",
+                    "messages": [ack],
+                    "from_stage": "encoder",
+                    "session": 0,
+                    "seq": 1,
+                    "ack": 0,
+                }
+            ),
             layer=v,
             error=wfe,
             match="needs a session token",
@@ -858,9 +870,15 @@ def negatives() -> list[dict[str, Any]]:
         dict(
             name="batch_numbered_foreign_member",
             data=_frame(
-                {"type": "batch", "messages": [ack], "from_stage": "talker",
-                 "session": 5, "seq": 1, "ack": 0}
-            ),  # fmt: skip
+                {
+                    "type": "batch",
+                    "messages": [ack],
+                    "from_stage": "talker",
+                    "session": 5,
+                    "seq": 1,
+                    "ack": 0,
+                }
+            ),
             layer=v,
             error=wfe,
             match="holds a message from",
