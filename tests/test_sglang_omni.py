@@ -250,6 +250,26 @@ async def test_an_object_sent_survives_its_sender_closing(tmp_path: Path) -> Non
         await far_wire.aclose()
 
 
+@pytest.mark.asyncio
+async def test_an_object_nobody_reads_gives_its_credit_back(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A delivery whose DataReady sglang-omni never reads is released after
+    UNCLAIMED_S (0 here), so the sender's credit and slot come back."""
+    from omniwire.integrations.sglang_omni import _wire
+    from omniwire.integrations.sglang_omni._relay import OmniwireRelay
+
+    monkeypatch.setattr(_wire, "UNCLAIMED_S", 0.0)
+    src_wire, far_wire = await _two_wires(tmp_path)
+    try:
+        op = await OmniwireRelay("src_relay").put_async(
+            torch.ones(1 << 20, dtype=torch.uint8), request_id="r4", receiver_id="far"
+        )
+        await op.wait_for_completion(timeout=20)  # the ACK came with no get_async
+        assert not far_wire.arrived
+    finally:
+        await src_wire.aclose()
+        await far_wire.aclose()
+
+
 def test_pth_hook_enables_on_import_of_the_stage_runtime(tmp_path: Path) -> None:
     from omniwire.integrations.sglang_omni.__main__ import main
 

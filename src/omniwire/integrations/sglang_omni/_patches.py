@@ -59,9 +59,12 @@ def apply(names: SglangOmniNames) -> dict[str, Any]:
 
     def cleanup(self: Any, request_id: str) -> None:
         orig_cleanup(self, request_id)
+        done: set[str] = set()  # the stage's relays share one endpoint: abort once
         for relay in list(self.router.relays.values()):
             abort = getattr(relay, "abort", None)
-            if abort is not None and hasattr(relay, "engine_id"):
+            eid = getattr(relay, "engine_id", None)
+            if abort is not None and isinstance(eid, str) and eid not in done:
+                done.add(eid)
                 # RuntimeError: no running loop, so nothing of it is in flight here
                 with contextlib.suppress(RuntimeError):
                     abort(request_id, reason="sglang-omni cleanup")

@@ -13,8 +13,11 @@ omniwire ACK that frees the sender's slot.
 
 Bounds: ``arrived`` holds deliveries whose ``DataReady`` has not been read yet;
 each holds one of the sender's credits (``max_inflight`` per peer), so it is
-bounded by the senders' credits. ``waiting`` holds one future per ``get_async``
-in progress.
+bounded by the senders' credits; one nobody asked for within ``UNCLAIMED_S``
+(sglang-omni dropped its ``DataReady``: a parse error, a stage stopping) is released
+with a warning, so a lost ``DataReady`` cannot pin a credit for good. ``waiting``
+holds one future per ``get_async`` in progress; ``failed`` the last 4,096 aborted
+or failed requests.
 """
 
 from __future__ import annotations
@@ -36,6 +39,9 @@ __all__ = ["StageWire", "omniwire_address", "wire_for", "wires"]
 log = logging.getLogger("omniwire.integrations.sglang_omni")
 
 _WIRES: dict[str, StageWire] = {}
+
+#: Seconds a delivery waits for its ``get_async`` before it is released unread.
+UNCLAIMED_S = float(os.environ.get("OMNIWIRE_SGLANG_UNCLAIMED_S", "120"))
 
 
 def wires() -> Mapping[str, StageWire]:
@@ -147,6 +153,22 @@ class StageWire:
                 del self.arrived[key]
                 d.release()
 
+    def _sweep(self, now: float) -> None:
+        """Release the oldest deliveries nobody asked for within UNCLAIMED_S."""
+        while self.arrived:
+            key, oldest = next(iter(self.arrived.items()))
+            if now - oldest.received_at < UNCLAIMED_S:
+                return
+            del self.arrived[key]
+            log.warning(
+                "stage %s: object %s of request %s from %s was never read; released",
+                self.name,
+                key,
+                oldest.request_id,
+                oldest.from_stage,
+            )
+            oldest.release()
+
     async def _pump(self) -> None:
         async for d in self.ep:
             if d.kind == "payload":
@@ -164,6 +186,7 @@ class StageWire:
                     entry[1].set_result(d)
                 else:
                     self.arrived[key] = d
+                    self._sweep(d.received_at)
             elif d.kind == "aborted":
                 self.fail_request(
                     d.request_id,
