@@ -674,7 +674,9 @@ class DeliveryStream:
     ``aborted`` delivery whatever stage it names), when it is closed
     (:meth:`aclose`, the end of ``async with``), or when the endpoint closes.
     Close a stream you stop reading before its end, so that the rest of the
-    request goes to other consumers.
+    request goes to other consumers. Once a request's stream ended or was closed the
+    request is over for the application: the notices it left unread go with it, and
+    a later abort of it (or a lost peer's ``error``) is not queued (:meth:`Deliveries.over`).
     """
 
     def __init__(self, queue: Deliveries, request_id: str | None, from_stage: str | None) -> None:

@@ -58,9 +58,10 @@ class Receiving:
         order, and to no unscoped consumer; it ends after the request's
         ``stream_end``, ``error`` or ``aborted`` delivery, when closed, or when the
         endpoint closes. An abort ends it wherever it was made, here too: a stream
-        (or ``receive``) of a request already aborted gets its ``aborted`` delivery. Any number of streams may be read at once, each in its
-        own task: nothing is lost or reordered, and what arrives for a request
-        before its stream exists waits for it. Without ``request_id`` it yields
+        (or ``receive``) of a request already aborted gets its ``aborted`` delivery.
+        Any number of streams may be read at once, each in its own task: nothing is
+        lost or reordered, and what arrives for a request before its stream exists
+        waits for it. Without ``request_id`` it yields
         every delivery of a request nobody holds, until the endpoint closes.
 
         What arrives for a request nobody holds and nobody takes keeps its share of
@@ -94,7 +95,9 @@ class Receiving:
         Each request nobody holds yet is yielded once (``from_stage``: only what
         that stage sends, or a request whose first delivery is ``aborted``, whatever
         stage began the abort); the stream starts at the request's first delivery.
-        Ends when the endpoint closes.
+        A request is yielded again only for data that comes after its stream ended
+        (an abort of a request being served reaches its stream; one that comes after
+        its stream ended makes no delivery). Ends when the endpoint closes.
 
         Raises:
             EndpointNotStartedError: the endpoint was not started.
