@@ -270,6 +270,46 @@ async def test_an_object_nobody_reads_gives_its_credit_back(tmp_path: Path, monk
         await far_wire.aclose()
 
 
+@pytest.mark.asyncio
+async def test_sglang_omni_cleanup_aborts_the_request_in_omniwire(enabled, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """CommEngine.cleanup (sglang-omni's abort path: Stage.on_abort) aborts in omniwire:
+    the sender's pending object is released, the receiver's read fails at once."""
+    from sglang_omni.comm.data_ref import TransportKind
+    from sglang_omni.comm.engine import CommEngine
+    from sglang_omni.comm.router import CommRouter
+
+    from omniwire.errors import RequestAbortedError
+    from omniwire.integrations.sglang_omni._relay import OmniwireRelay
+
+    src_wire, far_wire = await _two_wires(tmp_path)
+    try:
+        engine = CommEngine(
+            CommRouter(
+                stage_name="src", gpu_id=None, same_process_targets=set(), gpu_stage_names=set()
+            )
+        )
+        relay = engine.router.relay(TransportKind.SHM)  # built through the registry
+        assert isinstance(relay, OmniwireRelay)
+        op = await relay.put_async(
+            torch.ones(1 << 20, dtype=torch.uint8), request_id="r5", receiver_id="far"
+        )
+        engine.cleanup("r5")
+        assert "r5" in src_wire.failed
+        await op.wait_for_completion(timeout=10)  # released by the abort
+        for _ in range(200):  # the abort reaches far (bounded: 10 s)
+            if "r5" in far_wire.failed:
+                break
+            await asyncio.sleep(0.05)
+        got = await OmniwireRelay("far_relay").get_async(
+            op.metadata, torch.zeros(1 << 20, dtype=torch.uint8)
+        )
+        with pytest.raises(RequestAbortedError):
+            await got.wait_for_completion(timeout=10)
+    finally:
+        await src_wire.aclose()
+        await far_wire.aclose()
+
+
 def test_pth_hook_enables_on_import_of_the_stage_runtime(tmp_path: Path) -> None:
     from omniwire.integrations.sglang_omni.__main__ import main
 
