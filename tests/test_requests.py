@@ -313,6 +313,8 @@ async def test_an_abort_ends_the_aborting_sides_own_consumers_of_the_request() -
             assert (await a.receive(request_id="r")).kind == "aborted"
         with pytest.raises(TimeoutError):  # and nothing of it reaches anyone else
             await a.receive(timeout=0.2)
+    with pytest.raises(EndpointClosedError):  # closed: no delivery is made up any more
+        await a.receive(timeout=1, request_id="r")
 
 
 async def _no_new_request(ep: Endpoint, seconds: float) -> list[str]:

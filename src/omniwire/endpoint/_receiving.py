@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator
 
 from ..delivery import Delivery
 from ..errors import EndpointClosedError, EndpointNotStartedError
-from ._core import Core
+from ._core import Core, State
 from ._deliveries import DeliveryStream
 from ._receiver import Receiver
 
@@ -83,7 +83,11 @@ class Receiving:
         earlier consumer, or the abort came before anyone held it): it gets an
         ``aborted`` delivery of its own, so that it ends too."""
         why = self._core.aborts.why(request_id)
-        if why is not None and not self._receiver.deliveries.ends_queued(request_id):
+        if (
+            why is not None
+            and self._core.state is State.OPEN
+            and not self._receiver.deliveries.ends_queued(request_id)
+        ):
             self._receiver.notice_abort(request_id, *why, late=True)
 
     async def requests(self, *, from_stage: str | None = None) -> AsyncIterator[DeliveryStream]:
