@@ -65,10 +65,14 @@ typecheck: setup
 
 # In `make test` (and so in CI) every engine that can run on a CPU must load:
 # OMNIWIRE_REQUIRE_ENGINES turns "skipped: engine missing" into a failure.
-# --durations: the slowest tests in every CI log (the suite has a 15-minute budget).
+# --durations: the slowest tests in every CI log (the suite has a 10-minute budget on
+# 2 cores, busy or not). TEST_JOBS test files run at once (pytest-xdist, --dist
+# loadfile: a file's tests and its module fixtures stay in one worker): most tests
+# wait on processes and sockets, not on the CPU. TEST_JOBS=0 runs them one by one.
+TEST_JOBS ?= 2
 test: engines lint typecheck package
 	OMNIWIRE_REQUIRE_ENGINES=1 HYPOTHESIS_PROFILE=ci OMP_NUM_THREADS=1 \
-		$(BIN)/python -m pytest --durations=25
+		$(BIN)/python -m pytest -n $(TEST_JOBS) --dist loadfile --durations=25
 
 # The package as users install it: build the sdist and the wheel and check them, then
 # 1. the wheel with NO extras, with pip's default resolver, into a fresh venv

@@ -6,6 +6,20 @@ import os
 
 from hypothesis import HealthCheck, settings
 
+# Under pytest-xdist each worker (and every process it starts) has a temp directory of
+# its own: ipc sockets, the demo's directory and other per-user paths under
+# tempfile.gettempdir() are never shared between two tests running at once, and
+# tests that compare a directory's listing before and after see only their own.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    import atexit
+    import shutil
+    import tempfile
+
+    _worker_tmp = tempfile.mkdtemp(prefix=f"owx-{os.environ['PYTEST_XDIST_WORKER']}-", dir="/tmp")
+    os.environ["TMPDIR"] = _worker_tmp
+    tempfile.tempdir = None  # gettempdir() reads TMPDIR again
+    atexit.register(shutil.rmtree, _worker_tmp, ignore_errors=True)
+
 # The nccl tests close pairs whose gloo rendezvous may still run in a builder thread
 # (it cannot be cancelled): when the store's host goes first, torch's C++ logger
 # prints a TCPStore "recvValueWithTimeout failed" warning with a 30-frame stack
@@ -43,18 +57,50 @@ def omniwire_segments() -> set[str]:
     return {p.name for p in pathlib.Path("/dev/shm").glob("omniwire-*")}
 
 
-@pytest.fixture(scope="session", autouse=True)
-def _no_shared_memory_left_behind():  # type: ignore[no-untyped-def]
-    """After the whole suite — SIGKILL tests included — /dev/shm holds no omniwire segment
-    of this process or of any process that has died (segments of unrelated live
-    processes, such as a concurrent test run, are not ours to judge)."""
+def _leaked(before: set[str], *, dead_too: bool) -> set[str]:
+    """Segments made since ``before`` by this process, or (``dead_too``) by one that died."""
     from omniwire.hostinfo import pid_alive
 
-    before = omniwire_segments()
-    yield
-    leaked = {
+    return {
         s
         for s in omniwire_segments() - before
-        if int(s.split("-")[1]) == os.getpid() or not pid_alive(int(s.split("-")[1]))
+        if int(s.split("-")[1]) == os.getpid() or (dead_too and not pid_alive(int(s.split("-")[1])))
     }
+
+
+def _xdist_worker(config: pytest.Config) -> bool:
+    return hasattr(config, "workerinput")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _no_shared_memory_left_behind(request: pytest.FixtureRequest):  # type: ignore[no-untyped-def]
+    """After the whole suite — SIGKILL tests included — /dev/shm holds no omniwire segment
+    of this process or of any process that has died (segments of unrelated live
+    processes, such as a concurrent test run, are not ours to judge). Under
+    pytest-xdist a worker judges only its own segments: a peer another worker just
+    killed may not be reclaimed yet; the controller judges the dead ones at the end
+    (pytest_sessionfinish below)."""
+    before = omniwire_segments()
+    yield
+    leaked = _leaked(before, dead_too=not _xdist_worker(request.config))
     assert not leaked, f"omniwire segments left in /dev/shm: {sorted(leaked)}"
+
+
+_SEGMENTS_BEFORE = pytest.StashKey[set[str]]()
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    session.config.stash[_SEGMENTS_BEFORE] = omniwire_segments()
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """The xdist controller: once every worker is done, no segment of a dead process."""
+    config = session.config
+    if _xdist_worker(config) or not config.pluginmanager.hasplugin("dsession"):
+        return
+    leaked = _leaked(config.stash.get(_SEGMENTS_BEFORE, set()), dead_too=True)
+    if leaked:
+        config.get_terminal_writer().line(
+            f"omniwire segments left in /dev/shm: {sorted(leaked)}", red=True
+        )
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED

@@ -72,8 +72,22 @@ def test_each_hung_test_fails_alone_naming_itself_and_the_run_goes_on() -> None:
     # the loop-blocked async test is stopped by the signal, the others by the scope
     assert "its event loop is blocked" in out
     assert "cancelled while it waited in:" in out
-    summary = out.strip().splitlines()[-1]
+    summary = done.stdout.strip().splitlines()[-1]
     assert re.search(r"\b5 failed, 2 passed, 1 deselected, 1 error\b", summary), summary
+
+
+def test_under_xdist_even_a_test_nothing_can_stop_fails_alone() -> None:
+    """``make test`` runs pytest-xdist: the watchdog ends only that worker, which
+    xdist names as crashed while running the test, and replaces."""
+    done = _pytest("-n", "2")
+    out = done.stdout + done.stderr
+    assert "INTERNALERROR" not in out, out[-3000:]
+    assert done.returncode == 1, out[-3000:]
+    assert f"crashed while running '{CASES}::test_swallows_every_interrupt'" in out, out[-3000:]
+    for name in HUNG:
+        assert f"FAILED {CASES}::{name}" in out, (name, out[-3000:])
+    summary = done.stdout.strip().splitlines()[-1]
+    assert re.search(r"\b6 failed, 2 passed, 1 error\b", summary), summary
 
 
 def test_a_test_nothing_can_stop_ends_the_run_naming_itself() -> None:
