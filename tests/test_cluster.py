@@ -266,6 +266,46 @@ def test_a_partition_mid_transfer_fails_in_bounded_time_and_heals(
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("engine", "mode"),
+    [("mooncake", "landed"), ("mooncake", "stream"), ("nixl", "landed"), ("nccl", "read")],
+)
+def test_a_blip_within_the_resume_window_fails_no_object(
+    cluster: Cluster, engine: str, mode: str
+) -> None:
+    """A partition of 2.5 s (past the heartbeat timeout: ZeroMQ drops the connection)
+    while objects are in flight, well within ``resume_window`` (spec §10.7): no
+    receipt fails, every object is delivered once (a stream's chunks in order), and
+    every receipt settles "delivered"."""
+    require_backend(engine)
+    extra = ["--size", str(4 << 20), "--count", "6", "--gap", "0.5", "--settle", "20"]
+    extra += ["--resume-window", "30", "--ack-timeout", "30"]
+    extra += ["--stream"] if mode == "stream" else []
+    send, recv, sender, _ = start_pair(cluster, engine, *extra, landing=mode == "landed")
+    try:
+        send.expect(lambda m: m.get("i") == 0, 30)
+        sender.link_down()
+        time.sleep(2.5)
+        sender.link_up()
+        lines = send.finish(90)
+    finally:
+        sender.link_up()
+    got = recv.finish(30)
+    results = {m["i"]: m for m in lines if "i" in m and "ok" in m}
+    settled = next(m["settled"] for m in lines if "settled" in m)
+    assert sorted(results) == list(range(6)), results
+    assert all(m["ok"] for m in results.values()), [m for m in results.values() if not m["ok"]]
+    assert set(settled.values()) == {"delivered"}, settled
+    delivered = [m["i"] for m in got if m.get("kind") in ("payload", "stream_chunk")]
+    assert delivered == list(range(6)), got  # once each, in order
+    assert all(m["ok"] for m in got if "ok" in m), f"bytes differ: {got}"
+    if mode == "landed":
+        assert {m["outcome"] for m in results.values()} <= {"landed", "delivered"}
+    held = next(m["held"] for m in got if "end" in m)
+    assert not any(held.values()), held
+
+
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize("engine", ["mooncake", "nixl"])
 def test_a_partition_mid_landing_fails_the_send_in_bounded_time_and_heals(
     cluster: Cluster, engine: str
