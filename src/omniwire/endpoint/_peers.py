@@ -158,8 +158,14 @@ class PeerTable:
         """Connection events of our PUSH to ``peer``, until it is closed."""
         async for event in self.core.control.events(peer.name):
             if event is PeerEvent.UP:
-                was_down = peer.down_since is not None
+                down_since = peer.down_since
+                was_down = down_since is not None
                 peer.down_since = None
+                if down_since is not None and peer.session.resumption is not None:
+                    # the session waited for the link: so did its ACK deadlines
+                    downtime = time.monotonic() - down_since
+                    for record in peer.session.outbound.values():
+                        record.deadline += downtime
                 peer.connected = True
                 peer.auth_failure = ""
                 peer.failed_handshakes = 0

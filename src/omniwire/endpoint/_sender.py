@@ -600,6 +600,8 @@ class Sender:
         cfg = self.core.config
         timeout = cfg.ack_timeout
         for peer in self.peers.all():
+            if peer.down_since is not None and peer.session.resumption is not None:
+                continue  # its session waits for the link (spec §10.7): so do deadlines
             for record in list(peer.session.outbound.values()):
                 if now > record.deadline and not record.receipt.done():
                     record.fail(
