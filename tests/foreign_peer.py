@@ -58,6 +58,19 @@ class Timeout(AssertionError):
     """An expected frame did not come."""
 
 
+#: Frames never numbered in a resuming session (§10.7).
+UNNUMBERED = frozenset({"hello", "goodbye", "refusal"})
+#: An ack alone after this many unacknowledged frames, or once the sockets are idle
+#: for ACK_IDLE seconds while we wait for frames (§10.7: "within its housekeeping period").
+ACK_FRAMES = 32
+ACK_IDLE = 0.05
+
+
+def new_token() -> int:
+    """A session token: random, 1 … 2^64 − 1 (§10.7)."""
+    return secrets.randbits(64) or 1
+
+
 def host_id() -> str:
     """omniwire's host identity (spec §4.1): ``<boot id>/<st_dev of /dev/shm>``."""
     with open("/proc/sys/kernel/random/boot_id") as f:
@@ -352,6 +365,10 @@ class ForeignPeer:
     process_token: str = field(default_factory=lambda: secrets.token_hex(8))
     #: advertised in every Hello (§11.2): "sealed", it reads sealed segments (§9.2)
     features: tuple[str, ...] = ("sealed",)
+    #: offer the feature "resume" (§10.7): number our frames, retain them until
+    #: acknowledged, apply only the next number of our session. Off: a peer of the
+    #: earlier 1.1 text, which neither sends nor expects numbered frames.
+    resume: bool = False
     log: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -374,6 +391,37 @@ class ForeignPeer:
         self.poller.register(self.sub, zmq.POLLIN)
         self.batched: deque[Received] = deque()  # messages of a batch not yet returned
         self.ring: RingWriter | None = None  # once attached, our frames go through it
+        if self.resume and "resume" not in self.features:
+            self.features = (*self.features, "resume")
+        # -- resumption (§10.7): one session, with the one peer this kit talks to
+        self.token = new_token()  # ours: the peer's numbered frames must carry it
+        self.peer_instance: int | None = None  # the instance our session is with
+        self._new_session()
+        #: numbered frames dropped: of another session (stale), or not the next number
+        self.frames_stale = self.frames_duplicate = 0
+        self.errors: list[str] = []  # protocol errors of the peer we saw (§7.3)
+        self.acking = True  # False: hold our acks back (a test of the peer's resends)
+
+    def _new_session(self) -> None:
+        self.next_seq = 1  # the number of our next numbered frame
+        self.retained: deque[dict[str, Any]] = deque()  # numbered, not yet acknowledged
+        self.acked = 0  # the highest of our numbers the peer acknowledged
+        self.received = 0  # the highest of the peer's numbers applied, in order
+        self.ack_sent = 0  # the last ``received`` we told the peer
+
+    def _end_session(self) -> None:
+        """Our side of the session ended: a new token, numbering from 1 again."""
+        self.token = new_token()
+        self._new_session()
+
+    @property
+    def resuming(self) -> bool:
+        """Both Hellos offer "resume" with a token: every frame but Hellos, Goodbyes
+        and Refusals is numbered (§10.7)."""
+        p = self.peer
+        return (
+            self.resume and p is not None and "resume" in p["features"] and bool(p.get("session"))
+        )
 
     # -- messages (field order of §4) -------------------------------------------------
 
@@ -410,6 +458,7 @@ class ForeignPeer:
             "to_endpoint": to_endpoint,
             "ring": "",  # this peer offers no ring for the reference's frames (§3.6)
             "ring_attached": ring_attached,
+            **({"window": 0, "epoch": 0, "session": self.token} if self.resume else {}),
         }
 
     def data_ready(
@@ -519,8 +568,41 @@ class ForeignPeer:
         self.push.setsockopt(zmq.LINGER, 500)
         self.push.connect(address)
 
-    def send(self, body: dict[str, Any], version: tuple[int, int] = VERSION) -> None:
-        """To the peer: by its ring once we attached to one (§3.6), else by ZeroMQ."""
+    def send(
+        self, body: dict[str, Any], version: tuple[int, int] = VERSION, *, lose: bool = False
+    ) -> None:
+        """To the peer: by its ring once we attached to one (§3.6), else by ZeroMQ. In a
+        resuming session (§10.7) the message (or the messages of a batch) goes in a
+        numbered frame, retained until acknowledged; ``lose``: numbered and retained
+        but never sent — a frame a dropped connection lost."""
+        if body["type"] == "goodbye":
+            self._end_session()  # after our Goodbye, a new session needs a new token
+        elif self.resuming and body["type"] not in UNNUMBERED:
+            body = self.number(body)
+            if lose:
+                self.log.append(("lost", body))
+                return
+        self.transmit(body, version)
+
+    def number(self, body: dict[str, Any]) -> dict[str, Any]:
+        """The next numbered frame holding ``body`` (a message, or a batch's messages),
+        retained until an ack covers it (§10.7, field order of §4.10)."""
+        assert self.peer is not None
+        numbered = {
+            "type": "batch",
+            "messages": body["messages"] if body["type"] == "batch" else [body],
+            "from_stage": self.name,
+            "session": self.peer["session"],
+            "seq": self.next_seq,
+            "ack": self.received,
+        }
+        self.next_seq += 1
+        self.ack_sent = self.received
+        self.retained.append(numbered)
+        return numbered
+
+    def transmit(self, body: dict[str, Any], version: tuple[int, int] = VERSION) -> None:
+        """One frame as it is: no numbering."""
         data = frame(body, version)
         wire_cddl.validate_frame(data)  # what we send follows the schema too
         if self.ring is not None:
@@ -530,6 +612,59 @@ class ForeignPeer:
         assert self.push is not None
         self.log.append(("sent", body))
         self.push.send(data)
+
+    def send_ack(self) -> None:
+        """An ack alone (§10.7): no message, not numbered, not retained."""
+        assert self.peer is not None
+        self.ack_sent = self.received
+        self.transmit(
+            {
+                "type": "batch",
+                "messages": [],
+                "from_stage": self.name,
+                "session": self.peer["session"],
+                "seq": 0,
+                "ack": self.received,
+            }
+        )
+
+    def resend(self) -> int:
+        """Every retained frame again, in order, addressed to the peer's current token
+        (§10.7 "Sending again"); returns how many."""
+        assert self.peer is not None
+        token = self.peer["session"]
+        self.retained = deque({**b, "session": token} for b in self.retained)
+        for body in self.retained:
+            self.transmit(body)
+        return len(self.retained)
+
+    def reconnect(self, address: str) -> int:
+        """A dropped link that comes back: close our PUSH (what it still holds may
+        arrive or not), connect a new one, say Hello again and, resuming, send every
+        retained frame again. Returns how many were sent again."""
+        assert self.push is not None and self.peer is not None
+        self.push.close()  # LINGER 500 ms: ZeroMQ may still deliver what it queued
+        self.connect(address)
+        self.send(self.hello(to_endpoint=self.peer["endpoint"]))
+        return self.resend() if self.resuming else 0
+
+    def _ack_due(self) -> bool:
+        return (
+            self.acking
+            and self.resuming
+            and self.received > self.ack_sent
+            and (self.push is not None or self.ring is not None)
+        )
+
+    def rebind(self) -> None:
+        """Drop the peer's link to us: close our PULL and bind a new one at the same
+        address. ZeroMQ reconnects the peer's PUSH, which says Hello again and, in a
+        resuming session, sends what we had not acknowledged again (§10.7)."""
+        self.poller.unregister(self.pull)
+        self.pull.close(linger=0)
+        self.pull = self.ctx.socket(zmq.PULL)
+        self.pull.bind(self.address)
+        self.poller.register(self.pull, zmq.POLLIN)
 
     def attach_ring(self) -> RingWriter:
         """Attach to the ring the peer's latest Hello offers, then send the fence: a
@@ -557,28 +692,117 @@ class ForeignPeer:
 
     def recv(self, timeout: float) -> Received | None:
         """The next message, validated against the CDDL; a batch's messages come one by
-        one, in order (§4.10); Hellos are answered as §10.1 says."""
-        if self.batched:
-            return self.batched.popleft()
-        events = dict(self.poller.poll(int(timeout * 1000)))
-        if not events:
-            return None
-        sock, channel = (self.pull, "control") if self.pull in events else (self.sub, "abort")
-        data = sock.recv()
-        body = wire_cddl.validate_frame(data)
-        self.log.append((f"received ({channel}, {data[4]}.{data[5]})", body))
-        if body["type"] == "batch":
-            for inner in body["messages"]:
-                self.log.append((f"received ({channel}, {data[4]}.{data[5]}, in a batch)", inner))
-                self.batched.append(Received(channel, inner))
-            return self.batched.popleft()
-        if body["type"] == "hello":
-            self.peer = body
-            if body["abort_address"]:
-                self.sub.connect(body["abort_address"])
-            if not body["is_reply"] and self.push is not None:
-                self.send(self.hello(is_reply=True, to_endpoint=body["endpoint"]))
-        return Received(channel, body)
+        one, in order (§4.10); Hellos are answered as §10.1 says; numbered frames are
+        applied or dropped as §10.7 says, and acknowledged while we wait."""
+        deadline = time.monotonic() + timeout
+        while not self.batched:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            wait = min(left, ACK_IDLE) if self._ack_due() else left
+            events = dict(self.poller.poll(max(1, int(wait * 1000))))
+            if not events:
+                if self._ack_due():
+                    self.send_ack()
+                continue
+            sock, channel = (self.pull, "control") if self.pull in events else (self.sub, "abort")
+            data = sock.recv()
+            body = wire_cddl.validate_frame(data)
+            self.log.append((f"received ({channel}, {data[4]}.{data[5]})", body))
+            if body["type"] == "batch":
+                if body.get("session", 0) and not self._take_numbered(body, channel):
+                    continue
+                for inner in body["messages"]:
+                    self.log.append(
+                        (f"received ({channel}, {data[4]}.{data[5]}, in a batch)", inner)
+                    )
+                    self.batched.append(Received(channel, inner))
+                if self._ack_due() and self.received - self.ack_sent >= ACK_FRAMES:
+                    self.send_ack()
+                continue
+            if body["type"] == "hello":
+                self._on_hello(body)
+            return Received(channel, body)
+        return self.batched.popleft()
+
+    def _on_hello(self, body: dict[str, Any]) -> None:
+        """A Hello of the peer (§10.1, §10.6, §10.7)."""
+        before = self.peer
+        self.peer = body
+        if body["abort_address"]:
+            self.sub.connect(body["abort_address"])
+        replaced = False
+        if self.peer_instance is None:
+            self.peer_instance = body["instance"]  # our session starts
+        elif body["instance"] != self.peer_instance:  # a restart: the session ends
+            self.peer_instance = body["instance"]
+            self._end_session()
+            replaced = self.resume
+        elif (
+            self.resuming
+            and before is not None
+            and body["session"] != before.get("session")
+            and self.retained
+        ):
+            # the peer ended its side while ours goes on: what it dropped comes again,
+            # addressed to its new token (§10.7 "Sending again")
+            self.resend()
+        if self.push is not None and (not body["is_reply"] or replaced):
+            # after a new token the peer must learn it, even from a reply (§10.7)
+            self.send(self.hello(is_reply=True, to_endpoint=body["endpoint"]))
+
+    def _take_numbered(self, body: dict[str, Any], channel: str) -> bool:
+        """Whether to apply a numbered frame or an ack alone (§10.7); else it is
+        dropped whole and counted."""
+        if channel != "control" or not self.resuming:
+            self.errors.append(f"a numbered frame out of place ({channel}): {body}")
+            self.log.append(("dropped (out of place)", body))
+            return False
+        if body["session"] != self.token:
+            self.frames_stale += 1
+            self.log.append(("dropped (stale)", body))
+            return False
+        if body.get("from_stage") != self.peer_name or any(
+            m["from_stage"] != body["from_stage"] for m in body["messages"]
+        ):
+            self.errors.append(f"a numbered frame of another stage: {body}")
+            self.log.append(("dropped (misnamed)", body))
+            return False
+        seq = body.get("seq", 0)
+        if seq:
+            if seq != self.received + 1:  # one we have, or one past a gap
+                self.frames_duplicate += 1
+                self.log.append(("dropped (duplicate)", body))
+                return False
+            self.received = seq
+        elif body["messages"]:
+            self.errors.append(f"messages in an ack alone: {body}")
+        ack = body.get("ack", 0)
+        if ack >= self.next_seq:
+            self.errors.append(f"ack of frame {ack}, but we sent {self.next_seq - 1}")
+        elif ack > self.acked:  # acks only grow: an older one changes nothing
+            self.acked = ack
+            while self.retained and self.retained[0]["seq"] <= ack:
+                self.retained.popleft()
+        return True
+
+    @property
+    def peer_name(self) -> str:
+        assert self.peer is not None
+        return str(self.peer["endpoint"])
+
+    def settle(self, timeout: float = 10.0) -> None:
+        """Receive (and ack) until the peer acknowledged every frame we retain and we
+        acknowledged every frame we applied; messages that come meanwhile stay in the
+        log only."""
+        deadline = time.monotonic() + timeout
+        while self.retained or self._ack_due():
+            if time.monotonic() > deadline:
+                raise Timeout(
+                    f"{self.name}: {len(self.retained)} frames still unacknowledged; "
+                    f"saw:\n{self.trace()}"
+                )
+            self.recv(ACK_IDLE)
 
     def expect(
         self, match: Callable[[dict[str, Any]], bool], timeout: float = 10.0, what: str = ""

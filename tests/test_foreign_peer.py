@@ -50,10 +50,15 @@ def reference() -> Iterator[PeerProcess]:
 
 @pytest.fixture
 def foreign(request: pytest.FixtureRequest) -> Iterator[ForeignPeer]:
+    """The foreign peer; ``resume`` (indirect parameter): it offers "resume" (§2.9)."""
     name = "foreign-" + re.sub(r"[^a-z0-9]+", "-", request.node.name.lower())[-40:].strip("-")
-    peer = ForeignPeer(name, _address("foreign"))
+    peer = ForeignPeer(name, _address("foreign"), resume=getattr(request, "param", False))
     yield peer
     peer.close()
+
+
+#: a scenario played twice: by a peer of the earlier 1.1 text, and by one that resumes
+both_ways = pytest.mark.parametrize("foreign", [False, True], indirect=True, ids=["", "resume"])
 
 
 def _frames_of(peer: ForeignPeer, kind: str) -> list[dict[str, object]]:
@@ -124,6 +129,7 @@ def test_the_reference_hello_addresses_us_by_name(
 # -- inline (§2.2) ----------------------------------------------------------------------
 
 
+@both_ways
 def test_inline_stream_chunks_both_ways(reference: PeerProcess, foreign: ForeignPeer) -> None:
     foreign.handshake(REFERENCE, reference.address)
     chunk = np.arange(6, dtype=np.int32).reshape(2, 3)
@@ -178,6 +184,7 @@ def test_inline_payload(reference: PeerProcess, foreign: ForeignPeer) -> None:
 # -- shared memory (§2.3) ---------------------------------------------------------------
 
 
+@both_ways
 def test_shm_both_ways(reference: PeerProcess, foreign: ForeignPeer) -> None:
     foreign.handshake(REFERENCE, reference.address)
     big = np.arange(32 * 1024, dtype=np.float32)  # 128 KiB: too large to go inline
@@ -258,6 +265,7 @@ def test_segments_a_reader_can_open(reference: PeerProcess, sealed: bool) -> Non
         peer.close()
 
 
+@both_ways
 def test_shm_progressive(reference: PeerProcess, foreign: ForeignPeer) -> None:
     """An object announced before all its bytes are valid, then DataProgress (§4.3)."""
     foreign.handshake(REFERENCE, reference.address)
@@ -283,6 +291,7 @@ def test_shm_progressive(reference: PeerProcess, foreign: ForeignPeer) -> None:
 # -- errors (§2.5) ----------------------------------------------------------------------
 
 
+@both_ways
 def test_abort_releases_an_object_in_flight(reference: PeerProcess, foreign: ForeignPeer) -> None:
     """An object announced with no valid byte yet is NACKed "aborted" once we publish
     an abort of its request."""
@@ -411,6 +420,7 @@ def test_refusal_own_name(reference: PeerProcess, foreign: ForeignPeer) -> None:
 # -- batch and close (§2.4, §2.7) -------------------------------------------------------
 
 
+@both_ways
 def test_batch_is_applied_in_order(reference: PeerProcess, foreign: ForeignPeer) -> None:
     foreign.handshake(REFERENCE, reference.address)
     chunks = [
@@ -551,11 +561,18 @@ def test_a_peer_without_the_ring_feature_stays_on_zeromq(
     assert not [d for d, _ in foreign.log if d.startswith("sent (ring)")]
 
 
-def test_a_foreign_ring_writer(reference: PeerProcess) -> None:
+@pytest.mark.parametrize("resume", [False, True], ids=["", "resume"])
+def test_a_foreign_ring_writer(reference: PeerProcess, resume: bool) -> None:
     """A peer that advertises "ring" is offered one; it attaches as the writer, sends
     the fence Hello on ZeroMQ and everything after through the ring: order holds across
-    the switch, the reader unlinks the ring's names, and a Goodbye closes cleanly."""
-    foreign = ForeignPeer("foreign-ring-writer", _address("foreign"), features=("ring", "sealed"))
+    the switch, the reader unlinks the ring's names, and a Goodbye closes cleanly.
+    Resuming, its frames through the ring are numbered as on ZeroMQ (§10.7)."""
+    foreign = ForeignPeer(
+        f"foreign-ring-writer{'-resume' * resume}",
+        _address("foreign"),
+        features=("ring", "sealed"),
+        resume=resume,
+    )
     try:
         foreign.handshake(REFERENCE, reference.address)
         offer = foreign.seen(lambda b: b["type"] == "hello" and b["ring"], WAIT, "a ring offer")
@@ -598,10 +615,16 @@ def test_a_foreign_ring_writer(reference: PeerProcess) -> None:
         echo = foreign.seen(lambda b: b.get("request_id") == "req-ring-shm", WAIT, "the echo")
         assert np.array_equal(foreign.read_object(echo["data_ref"]), big)
         foreign.send(foreign.ack(echo["data_ref"]["object_id"]))
+        if resume:
+            foreign.settle(WAIT)  # acks both ways, ours through the ring
         sent = [(d, b) for d, b in foreign.log if d.startswith("sent")]
         fence = next(i for i, (_, b) in enumerate(sent) if b.get("ring_attached"))
         assert {d for d, _ in sent[: fence + 1]} == {"sent"}  # ZeroMQ up to the fence
         assert {d for d, _ in sent[fence + 1 :]} == {"sent (ring)"}  # the ring after it
+        if resume:
+            later = [b for _, b in sent[fence + 1 :] if b["type"] != "hello"]
+            assert later and all(b["type"] == "batch" and b["session"] for b in later), later
+            assert not foreign.errors and not foreign.retained
         foreign.send(
             {
                 "type": "goodbye",
@@ -629,3 +652,250 @@ def test_a_stalled_progressive_object_is_nacked_timeout(foreign: ForeignPeer) ->
         assert nack["reason"] == "timeout", nack
     finally:
         assert peer.stop() == 0, peer.output
+
+
+# -- resumption (§2.9, feature "resume") ------------------------------------------------
+
+
+def _counters(peer: ForeignPeer, request_id: str) -> dict[str, int]:
+    """The reference's counters: a payload with metadata ``{"counters": true}`` is
+    answered with them (foreign-peer.md §1)."""
+    peer.send(
+        peer.data_ready(
+            request_id,
+            inline=peer.inline([], {"q": 1}, "payload"),
+            metadata=msgpack.packb({"counters": True}),
+        )
+    )
+    answer = peer.expect(
+        lambda b: b["type"] == "data_ready" and b["request_id"] == request_id, WAIT, "counters"
+    )
+    if answer["inline"] is not None:
+        body = answer["inline"]
+        value = read_header(body["header"], unpack(body["data"], body["tensors"]))
+    else:
+        value = peer.read_object(answer["data_ref"])
+        peer.send(peer.ack(answer["data_ref"]["object_id"]))
+    return dict(value["counters"])
+
+
+def _chunk(peer: ForeignPeer, request_id: str, i: int) -> dict[str, object]:
+    data = peer.inline([np.full(2, i, dtype=np.int32)], TensorIndex(0))
+    return peer.data_ready(request_id, chunk_id=i, inline=data)
+
+
+def _stream_echoes(peer: ForeignPeer, request_id: str) -> list[dict[str, object]]:
+    """The echoes of one stream, up to its end (at most 64)."""
+    got: list[dict[str, object]] = []
+    while not (got and got[-1]["is_done"]) and len(got) < 64:
+        got.append(
+            peer.expect(
+                lambda b: b["type"] == "data_ready" and b["request_id"] == request_id,
+                WAIT,
+                f"echo {len(got)} of {request_id}",
+            )
+        )
+    return got
+
+
+def _numbered(peer: ForeignPeer, direction: str) -> list[dict[str, object]]:
+    """The numbered frames (and acks alone) sent or received: batches with a session."""
+    return [
+        b
+        for d, b in peer.log
+        if d.startswith(direction) and b["type"] == "batch" and b.get("session")
+    ]
+
+
+def test_resume_numbered_frames_both_ways(reference: PeerProcess) -> None:
+    """Both Hellos offer "resume" with a token: every frame but Hellos goes numbered,
+    both ways, carrying the addressee's token; acks (in frames or alone) trim what each
+    side retains (wire-v1.md §10.7)."""
+    foreign = ForeignPeer("foreign-resume-both-ways", _address("foreign"), resume=True)
+    try:
+        hello = foreign.handshake(REFERENCE, reference.address)
+        own = foreign.own_hello(WAIT)
+        assert "resume" in hello["features"] and hello["session"] != 0
+        assert own["session"] == hello["session"]  # one token per session
+        assert all(
+            b["session"] == foreign.token and "resume" in b["features"]
+            for d, b in foreign.log
+            if d == "sent" and b["type"] == "hello"
+        )
+        for i in range(3):
+            foreign.send(_chunk(foreign, "req-resume", i))
+        foreign.send(foreign.data_ready("req-resume", chunk_id=3, is_done=True))
+        big = np.arange(16 * 1024, dtype=np.float32)  # an object: a DataAck both ways
+        foreign.send(
+            foreign.data_ready(
+                "req-resume-shm", data_ref=foreign.shm_object(1, [big], TensorIndex(0))
+            )
+        )
+        echoes = _stream_echoes(foreign, "req-resume")
+        assert [e["chunk_id"] for e in echoes] == [0, 1, 2, 3] and echoes[3]["is_done"]
+        ack = foreign.seen(lambda b: b["type"] == "data_ack", WAIT, "the ACK")
+        assert (ack["object_id"], ack["success"]) == (1, True)
+        echo = foreign.seen(lambda b: b.get("request_id") == "req-resume-shm", WAIT, "the echo")
+        assert np.array_equal(foreign.read_object(echo["data_ref"]), big)
+        foreign.send(foreign.ack(echo["data_ref"]["object_id"]))
+        foreign.settle(WAIT)  # everything acknowledged, both ways
+
+        assert not foreign.retained and foreign.acked == foreign.next_seq - 1 == 6
+        assert not foreign.errors and foreign.frames_stale == foreign.frames_duplicate == 0
+        got = _numbered(foreign, "received")
+        frames = [
+            b
+            for d, b in foreign.log
+            if d.startswith("received (control") and not d.endswith("in a batch)")
+        ]
+        assert {b["type"] for b in frames} <= {"hello", "batch"}, frames
+        assert [b for b in frames if b["type"] == "batch" and not b.get("session")] == []
+        assert all(b["session"] == foreign.token and b["from_stage"] == REFERENCE for b in got)
+        seqs = [b["seq"] for b in got if b["seq"]]
+        assert seqs == list(range(1, len(seqs) + 1)) == list(range(1, foreign.received + 1))
+        sent = _numbered(foreign, "sent")
+        assert [b["seq"] for b in sent if b["seq"]] == list(range(1, 7))
+        assert all(b["session"] == hello["session"] for b in sent)
+        assert max(b["ack"] for b in sent) == foreign.received  # we acked all we applied
+        assert any(not b["seq"] and not b["messages"] for b in got + sent)  # acks alone
+    finally:
+        foreign.close()
+
+
+def test_resume_after_a_dropped_connection() -> None:
+    """F's connection drops mid-stream: frames 1–3 went out on the old PUSH, 4–6 were
+    numbered but lost. F connects a new PUSH, says Hello and sends its retained frames
+    again: R applies each message once and in order (its echoes, its count of
+    deliveries) and drops the three it had (`frames_duplicate`)."""
+    peer = PeerProcess("ref-resume", _address("ref-resume"), "--backends", "shm")
+    foreign = ForeignPeer("foreign-resume-dropped", _address("foreign"), resume=True)
+    try:
+        foreign.handshake("ref-resume", peer.address)
+        foreign.own_hello(WAIT)
+        for i in range(5):
+            foreign.send(_chunk(foreign, "req-dropped", i), lose=i >= 3)
+        foreign.send(foreign.data_ready("req-dropped", chunk_id=5, is_done=True), lose=True)
+        assert [b["seq"] for d, b in foreign.log if d == "lost"] == [4, 5, 6]
+        assert foreign.reconnect(peer.address) == 6  # nothing was acknowledged yet
+        echoes = _stream_echoes(foreign, "req-dropped")
+        assert [e["chunk_id"] for e in echoes] == [0, 1, 2, 3, 4, 5] and echoes[5]["is_done"]
+        for e in echoes[:5]:
+            body = e["inline"]
+            assert unpack(body["data"], body["tensors"])[0].tolist() == [e["chunk_id"]] * 2
+        counters = _counters(foreign, "req-counters")
+        assert counters["frames_duplicate"] == 3, counters  # 1–3 came twice
+        assert counters["frames_stale"] == 0 and counters["protocol_errors"] == 0, counters
+        foreign.settle(WAIT)
+        assert not foreign.errors and not foreign.retained
+    finally:
+        foreign.close()
+        assert peer.stop() == 0, peer.output
+    assert peer.output.split()[-2:] == ["DONE", "6"], peer.output  # 5 chunks and the end, once
+
+
+def test_resume_the_reference_sends_again_what_we_did_not_ack(reference: PeerProcess) -> None:
+    """R's link to F drops (F binds its PULL anew) while F holds back its acks: R's
+    PUSH reconnects, R says Hello and sends again every frame F had not acknowledged,
+    which F already applied and drops; what follows is applied once, in order."""
+    foreign = ForeignPeer("foreign-resume-rebind", _address("foreign"), resume=True)
+    try:
+        foreign.handshake(REFERENCE, reference.address)
+        foreign.own_hello(WAIT)
+        before = _counters(foreign, "req-counters-before")
+        foreign.settle(WAIT)
+        foreign.acking = False
+        for i in range(3):
+            foreign.send(_chunk(foreign, "req-rebind", i))
+        echoes = [
+            foreign.expect(lambda b: b.get("request_id") == "req-rebind", WAIT, f"echo {i}")
+            for i in range(3)
+        ]
+        unacked = foreign.received - foreign.ack_sent
+        assert unacked >= 1  # R retains these
+        hellos = len(_frames_of(foreign, "hello"))
+        foreign.rebind()
+        foreign.expect(
+            lambda b: b["type"] == "hello" and len(_frames_of(foreign, "hello")) > hellos,
+            WAIT,
+            "R's Hello on its new connection",
+        )
+        foreign.acking = True
+        foreign.send(_chunk(foreign, "req-rebind", 3))
+        foreign.send(foreign.data_ready("req-rebind", chunk_id=4, is_done=True))
+        echoes += _stream_echoes(foreign, "req-rebind")
+        assert [e["chunk_id"] for e in echoes] == [0, 1, 2, 3, 4]  # each once, in order
+        assert foreign.frames_duplicate == unacked and foreign.frames_stale == 0
+        after = _counters(foreign, "req-counters-after")
+        assert after["frames_resent"] - before["frames_resent"] == unacked, (before, after)
+        assert after["sessions_resumed"] == before["sessions_resumed"] + 1
+        foreign.settle(WAIT)
+        assert not foreign.errors
+    finally:
+        foreign.close()
+
+
+def test_resume_a_frame_of_another_session_is_dropped(reference: PeerProcess) -> None:
+    """A numbered frame whose token is not R's current one is dropped whole
+    (`frames_stale`) and uses up no number: the next frame, with the same number and
+    the right token, is applied."""
+    foreign = ForeignPeer("foreign-resume-stale", _address("foreign"), resume=True)
+    try:
+        hello = foreign.handshake(REFERENCE, reference.address)
+        foreign.own_hello(WAIT)
+        before = _counters(foreign, "req-counters-before")
+        wrong = hello["session"] % (2**64 - 1) + 1  # not R's token
+        stale = {
+            "type": "batch",
+            "messages": [_chunk(foreign, "req-stale", 0)],
+            "from_stage": foreign.name,
+            "session": wrong,
+            "seq": foreign.next_seq,
+            "ack": foreign.received,
+        }
+        foreign.transmit(stale)  # as it is: not retained, the number not used up here
+        foreign.send(_chunk(foreign, "req-fresh", 0))  # the same number, R's token
+        assert _numbered(foreign, "sent")[-1]["seq"] == stale["seq"]
+        foreign.expect(lambda b: b.get("request_id") == "req-fresh", WAIT, "the echo")
+        after = _counters(foreign, "req-counters-after")
+        assert after["frames_stale"] == before["frames_stale"] + 1, (before, after)
+        assert after["frames_duplicate"] == before["frames_duplicate"]
+        assert not [b for d, b in foreign.log if d != "sent" and b.get("request_id") == "req-stale"]
+        foreign.settle(WAIT)
+        assert not foreign.errors
+    finally:
+        foreign.close()
+
+
+def test_without_resume_no_frame_is_numbered(reference: PeerProcess, foreign: ForeignPeer) -> None:
+    """A peer whose Hello lacks "resume" (every peer of the earlier 1.1 text) keeps
+    today's behaviour: R, which offers it, sends it no numbered frame and no ack alone."""
+    assert "resume" not in foreign.features and not foreign.resume
+    hello = foreign.handshake(REFERENCE, reference.address)
+    assert "resume" in hello["features"]  # it could
+    foreign.own_hello(WAIT)
+    foreign.send(
+        {
+            "type": "batch",
+            "messages": [
+                *(_chunk(foreign, "req-plain", i) for i in range(3)),
+                foreign.data_ready("req-plain", chunk_id=3, is_done=True),
+            ],
+        }
+    )
+    big = np.arange(16 * 1024, dtype=np.float32)
+    foreign.send(
+        foreign.data_ready("req-plain-shm", data_ref=foreign.shm_object(1, [big], TensorIndex(0)))
+    )
+    assert [e["chunk_id"] for e in _stream_echoes(foreign, "req-plain")] == [0, 1, 2, 3]
+    assert foreign.seen(lambda b: b["type"] == "data_ack", WAIT, "the ACK")["success"]
+    echo = foreign.seen(lambda b: b.get("request_id") == "req-plain-shm", WAIT, "the echo")
+    foreign.send(foreign.ack(echo["data_ref"]["object_id"]))
+    for _ in range(10):  # R acks within 0.5 s if it numbered anything: wait that long
+        if foreign.recv(0.6) is None:
+            break
+    batches = [b for d, b in foreign.log if d.startswith("received") and b["type"] == "batch"]
+    assert all(
+        b["messages"] and not (b.get("session") or b.get("seq") or b.get("ack")) for b in batches
+    ), batches
+    assert not foreign.errors
+    assert all("session" not in b for d, b in foreign.log if d == "sent")
