@@ -69,10 +69,21 @@ typecheck: setup
 # 2 cores, busy or not). TEST_JOBS test files run at once (pytest-xdist, --dist
 # loadfile: a file's tests and its module fixtures stay in one worker): most tests
 # wait on processes and sockets, not on the CPU. TEST_JOBS=0 runs them one by one.
+# lint, typecheck and package run beside the suite (their log is printed after it):
+# they take about two minutes, mostly waiting on pip and the disk, and so does the suite.
 TEST_JOBS ?= 2
-test: engines lint typecheck package
+test: engines
+	@mkdir -p build
+	@echo "== test: lint, typecheck and package beside the suite (log: build/checks.log)"
+	@start=$$(date +%s); \
+	{ $(MAKE) --no-print-directory lint typecheck package >build/checks.log 2>&1; \
+	  echo $$? >build/checks.rc; } & \
 	OMNIWIRE_REQUIRE_ENGINES=1 HYPOTHESIS_PROFILE=ci OMP_NUM_THREADS=1 \
-		$(BIN)/python -m pytest -n $(TEST_JOBS) --dist loadfile --durations=25
+		$(BIN)/python -m pytest -n $(TEST_JOBS) --dist loadfile --durations=25; suite=$$?; \
+	echo "== test: the suite took $$(( $$(date +%s) - start )) s (exit $$suite)"; \
+	wait; checks=$$(cat build/checks.rc); grep -v "is ignored: it is neither" build/checks.log; \
+	echo "== test: lint, typecheck, package: exit $$checks; $$(( $$(date +%s) - start )) s in all"; \
+	[ $$suite = 0 ] && [ $$checks = 0 ]
 
 # The package as users install it: build the sdist and the wheel and check them, then
 # 1. the wheel with NO extras, with pip's default resolver, into a fresh venv

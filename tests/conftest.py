@@ -12,10 +12,16 @@ from hypothesis import HealthCheck, settings
 # tests that compare a directory's listing before and after see only their own.
 if os.environ.get("PYTEST_XDIST_WORKER"):
     import atexit
+    import pathlib
     import shutil
     import tempfile
 
-    _worker_tmp = tempfile.mkdtemp(prefix=f"owx-{os.environ['PYTEST_XDIST_WORKER']}-", dir="/tmp")
+    for _stale in pathlib.Path("/tmp").glob("owx-gw*-*-*"):  # of workers that were killed
+        _pid = _stale.name.split("-")[2]
+        if _pid.isdigit() and not os.path.exists(f"/proc/{_pid}"):
+            shutil.rmtree(_stale, ignore_errors=True)
+    _worker = os.environ["PYTEST_XDIST_WORKER"]
+    _worker_tmp = tempfile.mkdtemp(prefix=f"owx-{_worker}-{os.getpid()}-", dir="/tmp")
     os.environ["TMPDIR"] = _worker_tmp
     tempfile.tempdir = None  # gettempdir() reads TMPDIR again
     atexit.register(shutil.rmtree, _worker_tmp, ignore_errors=True)
