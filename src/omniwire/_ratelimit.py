@@ -75,6 +75,16 @@ def _escaped(msg: str, args: tuple[object, ...]) -> str:
     return msg if args else msg.replace("%", "%%")  # a suffix with args makes msg a template
 
 
+def _formatted(msg: str, args: tuple[object, ...]) -> str:
+    """``msg % args`` now: a record held back keeps its text, not its arguments (an
+    exception's traceback keeps every frame it passed through, and their locals:
+    a refused 15 MiB frame stayed in memory as long as its record was held)."""
+    try:
+        return msg % args if args else msg
+    except (TypeError, ValueError):
+        return f"{msg} {args!r}"
+
+
 def _suffix(n: int, seconds: float) -> str:
     return f" ({n} similar message{'s' if n != 1 else ''} suppressed in the last {seconds:.0f} s)"
 
@@ -147,7 +157,7 @@ class RateLimitedLog:
                 window = self._windows[key] = _Window(start=now)
             if window.emitted >= self.burst:
                 window.suppressed += 1
-                window.last = (level, msg, args)
+                window.last = (level, _formatted(msg, args), ())
                 self.suppressed_total += 1
                 return False
             window.emitted += 1

@@ -82,23 +82,32 @@ class Dispatcher:
         after a bounded amount of work (see the module docstring). While it waits,
         frames are applied as they arrive, in the socket's reader callback
         (:meth:`_apply_arrived`): one turn of the event loop per frame, not two."""
-        control, receiver = self.core.control, self.receiver
+        control = self.core.control
         while True:
             try:
-                frames = await control.recv_many(_RECV_FRAMES, self._apply_arrived)
+                await self._apply_batch(await control.recv_many(_RECV_FRAMES, self._apply_arrived))
             except EndpointClosedError:
                 return
-            for frame in frames:
-                if len(frame) > _THREAD_DECODE:
-                    takeable = await self._on_large_frame(frame)
-                else:
-                    takeable = self.on_frame(frame, abort_channel=False)
-                for peer in takeable:
-                    if receiver.pump(peer):
-                        await receiver.take_head(peer)
-                if self._turn_spent():
-                    await asyncio.sleep(0)
-                    self._new_turn()
+
+    async def _apply_batch(self, frames: list[bytes]) -> None:
+        """Apply a batch of frames, letting go of each as soon as it is applied: no
+        frame stays referenced here while the loop waits for more (a refused flood of
+        15 MiB frames stayed in memory until a later large frame came)."""
+        receiver = self.receiver
+        frames.reverse()
+        while frames:
+            frame = frames.pop()
+            if len(frame) > _THREAD_DECODE:
+                takeable = await self._on_large_frame(frame)
+            else:
+                takeable = self.on_frame(frame, abort_channel=False)
+            del frame
+            for peer in takeable:
+                if receiver.pump(peer):
+                    await receiver.take_head(peer)
+            if self._turn_spent():
+                await asyncio.sleep(0)
+                self._new_turn()
 
     def _apply_arrived(self, frames: list[bytes]) -> list[bytes]:
         """(the PULL socket's reader callback, while the control loop waits) Apply
@@ -191,8 +200,14 @@ class Dispatcher:
         a worker thread (its validation runs Python per tensor table entry, and yields
         the interpreter to the event loop every few ms), applied here, in order."""
         self.core.counters["frames_received"] += 1
-        msg = await anyio.to_thread.run_sync(self.decode, frame)
+        # in and out in a box that is emptied: a worker thread keeps its last call's
+        # arguments and result referenced while it waits for the next (anyio)
+        box = [frame]
+        msg = (await anyio.to_thread.run_sync(self._decode_boxed, box)).pop()
         return [] if msg is None else self.apply(msg, abort_channel=False, source=source)
+
+    def _decode_boxed(self, box: list[bytes]) -> list[wire.Message | None]:
+        return [self.decode(box.pop())]
 
     def decode(self, frame: bytes) -> wire.Message | None:
         """The frame's message; None (counted, logged at a bounded rate) if it has none."""
