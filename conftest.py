@@ -55,7 +55,7 @@ _ASYNC = pytest.StashKey[bool]()
 # --- pytest-timeout: we arm its limits ------------------------------------------------
 
 
-@pytest.hookimpl(tryfirst=True)
+@pytest.hookimpl(tryfirst=True, optionalhook=True)  # pytest-timeout's hook
 def pytest_timeout_set_timer(item: pytest.Item, settings: Any) -> bool:
     """Called by pytest-timeout at the start of each test's protocol: we take over."""
     limit = float(settings.timeout or 0)
@@ -71,7 +71,7 @@ def pytest_timeout_set_timer(item: pytest.Item, settings: Any) -> bool:
     return True
 
 
-@pytest.hookimpl(tryfirst=True)
+@pytest.hookimpl(tryfirst=True, optionalhook=True)  # pytest-timeout's hook
 def pytest_timeout_cancel_timer(item: pytest.Item) -> bool:
     watchdog = item.stash.get(_WATCHDOG, None)
     if watchdog is not None:
