@@ -26,8 +26,9 @@ HUNG = [
 
 
 def _pytest(*args: str) -> subprocess.CompletedProcess[str]:
+    outer = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST_")}
     env = dict(
-        os.environ,
+        outer,
         OMNIWIRE_TEST_GRACE_LOOP="1",
         OMNIWIRE_TEST_GRACE_WATCHDOG="2",
         PYTEST_ADDOPTS="",
