@@ -26,6 +26,11 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     tempfile.tempdir = None  # gettempdir() reads TMPDIR again
     atexit.register(shutil.rmtree, _worker_tmp, ignore_errors=True)
 
+# The frozen peers (tests/frozen) run in a pytest of their own (tests/test_frozen_peers.py).
+# Ignored here, their conftest.py is never imported: it would replace this module as
+# `conftest` in sys.modules, and `from conftest import omniwire_segments` would fail.
+collect_ignore = ["frozen"]
+
 # The nccl tests close pairs whose gloo rendezvous may still run in a builder thread
 # (it cannot be cancelled): when the store's host goes first, torch's C++ logger
 # prints a TCPStore "recvValueWithTimeout failed" warning with a 30-frame stack
