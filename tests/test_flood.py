@@ -12,11 +12,15 @@ import sys
 from typing import Any
 
 import anyio
+import anyio.lowlevel
+import msgspec
 import pytest
 
 from omniwire import codec, wire
+from omniwire.endpoint import Endpoint
+from omniwire.endpoint._deliveries import REQUESTS_PER_TURN
 
-from test_hostile import Mallory
+from test_hostile import Mallory, addr
 
 pytestmark = pytest.mark.asyncio
 
@@ -106,3 +110,57 @@ async def test_frames_of_a_refused_flood_do_not_stay_in_memory() -> None:
         if m is not None:
             m.close()
         victim.close()
+
+
+async def test_a_frame_opening_thousands_of_requests_hands_them_out_a_portion_per_turn() -> None:
+    """One BatchMessage opening 3,072 requests (inline payloads). Was: the event
+    loop stalled 0.48-0.64 s — most of it not in applying the frame (20-30 ms) but
+    in ``requests()`` handing out every request without a turn of the loop, so the
+    application started 3,072 server tasks in one turn. Now at most
+    ``REQUESTS_PER_TURN`` requests come out between two turns: a ticker task runs
+    between portions (counted, not timed)."""
+    n = 3072
+    async with Endpoint("victim", address=addr("victim")) as victim:
+        m = Mallory(victim.address)
+        try:
+            await m.send(wire.encode(msgspec.structs.replace(m.hello(), wire_max=(1, 1))))
+            header = codec.dumps({"x": 1}).header
+            messages = tuple(
+                wire.DataReadyMessage(
+                    request_id=f"r{i}", from_stage="mallory", to_stage="victim",
+                    inline=wire.InlineStreamChunkRef(header=header, kind="payload"),
+                )
+                for i in range(n)
+            )  # fmt: skip
+            frame = wire.encode(wire.BatchMessage(messages=messages))
+            with anyio.fail_after(10):
+                while victim._peers.get("mallory") is None:
+                    await anyio.sleep(0.05)
+            turns = 0
+            seen_at: list[int] = []  # the ticker's count as each request came out
+
+            async def ticker() -> None:
+                nonlocal turns
+                for _ in range(10_000_000):  # cancelled long before
+                    await anyio.lowlevel.checkpoint()
+                    turns += 1
+
+            async def serve(request: Any) -> None:
+                async with request:
+                    async for _ in request:
+                        break
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(ticker)
+                await m.send(frame)
+                with anyio.fail_after(30):
+                    async for request in victim.requests():
+                        seen_at.append(turns)
+                        tg.start_soon(serve, request)
+                        if len(seen_at) == n:
+                            break
+                tg.cancel_scope.cancel()
+        finally:
+            m.close()
+    per_turn = max(seen_at.count(t) for t in set(seen_at))
+    assert per_turn <= REQUESTS_PER_TURN, per_turn
