@@ -96,7 +96,7 @@ test: engines
 # 2. the wheel with its extras ($(PKG_ENV)), reusing $(VENV)'s packages (torch, the
 #    engines) through a .pth line after its own site-packages, so nothing is
 #    downloaded twice; `pip check` and the extras' resolution run against them, and
-#    tests/test_installed.py runs from it.
+#    tests/test_installed.py and tests/test_uvloop.py run from it.
 DIST     := build/dist
 PKG_ENV  := build/pkg-venv
 BARE_ENV := build/bare-venv
@@ -131,7 +131,8 @@ package: engines
 	$(BIN)/python -m pip --python $(PKG_ENV)/bin/python check
 	$(PKG_ENV)/bin/python -c 'import omniwire, sys; f = omniwire.__file__; \
 		print("omniwire", omniwire.__version__, "from", f); sys.exit("$(PKG_ENV)" not in f)'
-	OMP_NUM_THREADS=1 $(PKG_ENV)/bin/python -m pytest -q -p no:cacheprovider tests/test_installed.py
+	OMP_NUM_THREADS=1 $(PKG_ENV)/bin/python -m pytest -v -p no:cacheprovider \
+		tests/test_installed.py tests/test_uvloop.py
 
 # `make bench BENCH_ARGS="--quick --busy --json bench.json --plot bench.png"`
 BENCH_ARGS ?=
