@@ -111,7 +111,7 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
         return
     leaked = _leaked(config.stash.get(_SEGMENTS_BEFORE, set()), dead_too=True)
     if leaked:
-        config.get_terminal_writer().line(
-            f"omniwire segments left in /dev/shm: {sorted(leaked)}", red=True
-        )
+        writer = config.get_terminal_writer()
+        writer.line()
+        writer.line(f"omniwire segments left in /dev/shm: {sorted(leaked)}", red=True)
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
