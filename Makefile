@@ -57,8 +57,8 @@ demo-remote: engines
 	OMP_NUM_THREADS=1 $(BIN)/omniwire demo --remote
 
 lint: setup
-	$(BIN)/ruff check src tests scripts examples
-	$(BIN)/ruff format --check src tests scripts examples
+	$(BIN)/ruff check src tests scripts examples conftest.py
+	$(BIN)/ruff format --check src tests scripts examples conftest.py
 
 typecheck: setup
 	$(BIN)/mypy
