@@ -41,13 +41,11 @@ __all__ = [
     "UnknownNameError",
     "UnsupportedVersionError",
     "WireFormatError",
-    "described",
-    "reason_text",
 ]
 
 
 def reason_text(why: object, default: str) -> str:
-    """``why`` as the reason in an error message, never empty: an exception whose
+    """(internal) ``why`` as the reason in an error message, never empty: an exception whose
     text is empty says its type, and ``None`` or an empty text says ``default``."""
     text = "" if why is None else str(why).strip()
     if text:
@@ -58,7 +56,7 @@ def reason_text(why: object, default: str) -> str:
 
 
 def described(exc: BaseException) -> str:
-    """``Type: text`` of an exception for a message, or ``Type`` where its text is empty."""
+    """(internal) ``Type: text`` of an exception for a message, or ``Type`` where its text is empty."""
     text = str(exc).strip()
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
