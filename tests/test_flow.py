@@ -8,8 +8,11 @@ import anyio
 import pytest
 import torch
 
+from omniwire.endpoint import Endpoint
 from omniwire.errors import AckTimeoutError
 from omniwire.flow import Credits, Window
+from omniwire.testing import PeerProcess
+from omniwire.testing.conformance import ipc_address
 
 from test_endpoint import pair
 
@@ -109,3 +112,30 @@ async def test_a_credit_waiter_waits_while_credits_come_back_and_not_longer() ->
     with anyio.fail_after(5):
         assert not await credits.acquire(10, patience=0.1)
     assert credits.waiting == 0 and credits.count == 2
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+async def test_a_slow_consumer_in_another_process_never_fails_the_sender() -> None:
+    """Two processes, as reported: the receiver's application takes one 1 KiB chunk
+    every 0.25 s behind its full 4 MiB window; the sender's deadline is 1.5 s. Was:
+    the window came back a quarter (1 MiB) at a time — never, at that pace — and
+    the send failed with "its application took nothing". Now the sender streams on
+    for 5 s (more than three deadlines), slowly."""
+    peer = PeerProcess("slow", ipc_address("slow"), "--mode", "sink", "--delay", "0.25")
+    try:
+        async with Endpoint(
+            "src", address=ipc_address("src"), peers={"slow": peer.address}, ack_timeout=1.5
+        ) as ep:
+            await ep.wait_peer("slow", 30)
+            chunk = torch.ones(256)  # 1 KiB: inline
+            sent = 0
+            with anyio.move_on_after(5):
+                for _ in range(100_000):
+                    await ep.stream("slow", chunk, request_id="slow")  # AckTimeoutError?
+                    sent += 1
+            assert ep.counters["window_waits"] >= 1
+            assert sent > (4 << 20) // (2 << 10)  # the window filled, and it went on
+    finally:
+        if peer.proc.poll() is None:
+            peer.kill()
