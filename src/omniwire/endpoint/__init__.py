@@ -9,6 +9,7 @@ _peers        the peer table: Hello, refusals, liveness, loss, Goodbye
 _handshake    Hello building and checking, refusals, what a peer's Hello offers
 _rings        a same-host peer's control ring: offer, attach, start reading
 _sender       send/stream/end_stream: encode → route → credit → export → announce
+_ledger       what is in flight to each peer and what ends it: ACK, NACK, abort, loss, deadline
 _routebook    the route of each edge and payload shape, remembered; what went that way
 _inline       payloads inside their DataReady: the message, its charge, its receipt
 _exporting    an object's bytes for its backend: lent in place, or packed (in pieces)

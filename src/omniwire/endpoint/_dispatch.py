@@ -307,9 +307,9 @@ class Dispatcher:
         elif isinstance(msg, wire.DataProgressMessage):
             self.receiver.on_progress(self._said_hello(msg), msg)
         elif isinstance(msg, wire.DataAckMessage):
-            self.sender.on_ack(self._said_hello(msg), msg)
+            self.sender.ledger.on_ack(self._said_hello(msg), msg)
         elif isinstance(msg, wire.WindowMessage):
-            self.sender.on_window(self._said_hello(msg), msg)
+            self.sender.ledger.on_window(self._said_hello(msg), msg)
         elif isinstance(msg, wire.AbortMessage):
             peer = self._said_hello(msg)
             peer.session.check(msg)
@@ -356,7 +356,7 @@ class Dispatcher:
             f"request {request_id!r} was aborted by {origin!r}" + (f": {reason}" if reason else "")
         )
         core.aborts.cancel_request(request_id, error)
-        self.sender.on_abort(request_id, error)
+        self.sender.ledger.on_abort(request_id, error)
         self.receiver.on_abort(request_id, origin, reason, notify=first, via=via)
         if not first:
             return

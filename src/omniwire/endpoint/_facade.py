@@ -383,7 +383,7 @@ class Endpoint(Receiving):
         Raises:
             DrainTimeoutError: some are still unacknowledged after ``timeout`` seconds.
         """
-        await self._sender.drain(timeout)
+        await self._sender.ledger.drain(timeout)
 
     # -- introspection ----------------------------------------------------------------
 
@@ -405,7 +405,7 @@ class Endpoint(Receiving):
 
     def in_flight(self) -> dict[str, tuple[int, int]]:
         """Per peer: (objects sent and not acknowledged, objects received and not acknowledged)."""
-        out, inn = self._sender.in_flight(), self._receiver.in_flight()
+        out, inn = self._sender.ledger.in_flight(), self._receiver.in_flight()
         return {name: (out.get(name, 0), inn.get(name, 0)) for name in out.keys() | inn.keys()}
 
     # -- wiring -------------------------------------------------------------------------
@@ -416,7 +416,7 @@ class Endpoint(Receiving):
     def _on_gone(
         self, peer: Peer, out: list[OutRecord], inn: list[InRecord], cause: str, error: Any
     ) -> None:
-        self._sender.on_peer_gone(peer, out, error)
+        self._sender.ledger.on_peer_gone(peer, out, error)
         self._receiver.on_peer_gone(peer, inn, cause, error)
 
     def _on_forgotten(self, name: str) -> None:

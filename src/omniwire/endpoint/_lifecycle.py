@@ -125,7 +125,7 @@ class Lifecycle:
             try:
                 # NACKs of what we hold first: the Goodbye is the last frame (§10.5)
                 self._receiver.close()
-                self._sender.close()
+                self._sender.ledger.close()
                 self._peers.goodbye(reason)
                 await core.outbox.flush(0.5)
             finally:
@@ -160,7 +160,7 @@ class Lifecycle:
             await anyio.sleep(tick)
             now = time.monotonic()
             self._peers.tick(now)
-            self._sender.check_deadlines(now)
+            self._sender.ledger.check_deadlines(now)
             self._receiver.check_idle(now)
             self._receiver.flush_windows()
             self._receiver.deliveries.expire(now)
