@@ -158,7 +158,12 @@ class Dispatcher:
 
         def on_closed(error: RingError | None) -> None:
             if peer.generation == generation and self.core.state is State.OPEN:
-                why = reason_text(error, "its writer closed without a Goodbye")
+                why = reason_text(
+                    error,
+                    "its writer closed it without a Goodbye: the peer died, or gave this "
+                    "endpoint up (it took no frame for the peer's peer_timeout: stopped "
+                    "or too slow to read)",
+                )
                 self.peers.lose(peer, f"its control ring ended ({why})")
 
         reader.start(on_frames, on_closed)
@@ -276,7 +281,9 @@ class Dispatcher:
         resumption = peer.session.resumption if peer is not None else None
         if abort_channel or (source is not None and msg.from_stage != source):
             core.counters["protocol_errors"] += 1
-            core.noisy.warning("protocol", "%s: a numbered frame from %r out of place", core.name, msg.from_stage)
+            core.noisy.warning(
+                "protocol", "%s: a numbered frame from %r out of place", core.name, msg.from_stage
+            )
             return None
         if peer is None or resumption is None or msg.session != resumption.token:
             core.counters["frames_stale"] += 1
