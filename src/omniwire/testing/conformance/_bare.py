@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from ... import packing
+from ...backends._peermem import SEALING
 from ...backends.base import (
     BackendBase,
     BackendContext,
@@ -62,8 +63,17 @@ class BareChecks(Configured):
                 await b.start()
 
                 def peer(x: BackendBase) -> PeerInfo:
+                    # as an omniwire endpoint's Hello describes it (it reads sealed
+                    # segments where the platform has them: spec §9.2, §11.2)
                     return PeerInfo(
-                        x.ctx.endpoint, x.ctx.instance, os.getpid(), "h", "t", locality, x.hello()
+                        x.ctx.endpoint,
+                        x.ctx.instance,
+                        os.getpid(),
+                        "h",
+                        "t",
+                        locality,
+                        x.hello(),
+                        features=("sealed",) if SEALING else (),
                     )
 
                 pair = Bare(a, b, peer(a), peer(b), self._export_device())
