@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import anyio
 import pytest
+import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from omniwire import Endpoint, wire
+from omniwire import Endpoint, OmniwireError, wire
 from omniwire.errors import RemoteProtocolError
 
 
@@ -121,3 +122,41 @@ async def test_two_endpoints_number_their_frames_only_when_both_resume(window: f
             assert resumption is not None and resumption.next_seq > 1
         else:
             assert resumption is None  # r did not offer "resume": 1.1 as before
+
+
+@pytest.mark.asyncio
+async def test_a_peer_still_numbering_frames_of_a_session_we_ended_is_told_at_once() -> None:
+    """The receiver ended its session with the sender (a loss only it noticed) while
+    the sender's connection to it stayed up: the sender's numbered frames carry the
+    ended session's token and are dropped. The receiver must make itself known (its
+    Hello, with its higher epoch, spec §10.6), so the sender fails what it had in
+    flight at once — not an ack_timeout later — and a new session carries the next
+    send. (Was: the frames were dropped silently until the sender's ACK deadlines.)"""
+    async with (
+        Endpoint("r", backends=["local", "shm"], control_ring=False) as r,
+        Endpoint(
+            "s",
+            backends=["local", "shm"],
+            peers={"r": r.address},
+            ack_timeout=60,
+            control_ring=False,
+        ) as s,
+    ):
+        with anyio.fail_after(30):
+            await s.wait_peer("r", 10)
+            await s.send("r", {"i": 0}, request_id="q0")
+            (await r.receive(timeout=10)).release()
+            peer = r._peers.get("s")  # the receiver declares the sender lost: its side only
+            assert peer is not None
+            r._peers.lose(peer, "a loss only the receiver noticed (test)")
+            big = torch.ones(1 << 18)  # 1 MiB over shm: an object in flight, ACK awaited
+            receipt = await s.send("r", {"x": big}, request_id="q1")
+            with pytest.raises(OmniwireError, match="declared us lost"):
+                await receipt.wait(timeout=20)
+            assert r.counters["frames_stale"] >= 1
+            await s.wait_peer("r", 10)
+            again = await s.send("r", {"x": big}, request_id="q2")
+            d = await r.receive(timeout=10, request_id="q2")
+            assert torch.equal(d.payload["x"], big)
+            d.release()
+            await again.wait(timeout=10)

@@ -287,6 +287,8 @@ class Dispatcher:
             return None
         if peer is None or resumption is None or msg.session != resumption.token:
             core.counters["frames_stale"] += 1
+            if peer is not None and resumption is None:
+                self.peers.remind(peer)  # it numbers frames of a session we ended
             return None
         if not resumption.accept(msg.session, msg.seq):
             core.counters["frames_duplicate"] += 1

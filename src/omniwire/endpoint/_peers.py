@@ -417,6 +417,24 @@ class PeerTable:
         out, inn = peer.session.reset()
         self._end(peer, out, inn, PeerStatus.LOST, reason, cls)
 
+    def remind(self, peer: Peer) -> None:
+        """``peer`` still sends numbered frames of a session we ended (a loss it did not
+        notice; its connection to us stayed up): reach it again, so that our Hello —
+        its epoch higher — ends its side too (spec §10.6, §10.7), at most once per
+        ``RESTART_INTERVAL``."""
+        now = time.monotonic()
+        if peer.status is not PeerStatus.LOST or peer.address is None:
+            return
+        if now - peer.reminded_at < RESTART_INTERVAL:
+            return
+        peer.reminded_at = now
+        self.core.counters["peers_reminded"] += 1
+        if peer.push_open and peer.connected:
+            self.core.outbox.post(peer, hello_of(self.core, peer, reply=False))
+        else:
+            with contextlib.suppress(AddressError):
+                self._connect(peer)  # its Hello goes when the link is up
+
     def _lost_if_dead(self, peer: Peer) -> bool:
         hello = peer.hello
         if hello is None or hello.host_id != self.core.host_id or hostinfo.pid_alive(hello.pid):

@@ -239,6 +239,7 @@ class Peer:
     refusal: PeerRefusedError | None = None
     auth_failure: str = ""
     failed_handshakes: int = 0  # ZMTP handshakes cut short since the last one that succeeded
+    reminded_at: float = 0.0  # when we last told it its session had ended (spec §10.7)
     # routing
     info: dict[str, PeerInfo] = field(default_factory=dict)
     edge: Edge | None = None

@@ -52,9 +52,10 @@ COUNTERS: Mapping[str, str] = MappingProxyType(
         # -- frames
         "frames_received": "control frames received (a batch is one)",
         "frames_resent": "frames sent again after a connection broke (session resumption)",
-        "frames_duplicate": "resent frames this endpoint already had, dropped",
+        "frames_duplicate": "numbered frames already applied, or past a gap (they come again), dropped",
         "frames_stale": "numbered frames of a session that is not the peer's current one, dropped",
         "sessions_resumed": "peers whose connection broke and came back within `resume_window`",
+        "peers_reminded": "Hellos sent to a peer still numbering frames of a session we ended",
         "decode_errors": "frames (or headers) that could not be decoded",
         "protocol_errors": "messages that break the protocol (logged; the frame is dropped)",
         "version_refused": "Hellos refused: no wire version in common",
