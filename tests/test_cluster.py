@@ -314,6 +314,49 @@ def test_a_blip_within_the_resume_window_fails_no_object(
 
 
 @pytest.mark.timeout(120)
+def test_a_receiver_restarted_under_its_name_ends_the_session_at_once(cluster: Cluster) -> None:
+    """Within a 30 s resume window, a receiver SIGKILLed and started again under the
+    same name and address: its new instance's Hello ends the session at once (spec
+    §10.6, not the window): the object in flight fails as lost ("it restarted"),
+    nothing of the old session reaches the new instance (its numbered frames carry
+    the old session's token, §10.7), and later sends reach the new instance."""
+    require_backend("mooncake")
+    sender, receiver = cluster["c"], cluster["b"]
+    cluster["c"].set_rate("200mbit")  # 16 MiB takes ~0.7 s on the wire
+    address = f"tcp://{receiver.ip}:45123"
+    common = ["--backends", "local,shm,mooncake", "--peer-timeout", str(PEER_TIMEOUT)]
+    common += ["--resume-window", "30", "--landing-size", "0"]
+    recv = Side(receiver, "recv", "--name", "r", "--address", address, *common)
+    send = Side(sender, "send", "--name", "s", "--address", f"tcp://{sender.ip}:0",
+                "--peer", f"r={address}", *common, "--size", str(16 << 20), "--count", "4",
+                "--settle", "5", "--rejoin", "30")  # fmt: skip
+    again: Side | None = None
+    try:
+        send.expect(lambda m: m.get("ready") is True, 30)
+        send.expect(lambda m: m.get("sent") == 1, 30)
+        recv.kill()
+        killed = time.monotonic()
+        again = Side(receiver, "recv", "--name", "r", "--address", address, *common)
+        failed = send.expect(lambda m: m.get("i") == 1, 40)
+        failed_after = time.monotonic() - killed
+        lines = send.finish(60)
+        got = again.finish(30)
+    finally:
+        cluster["c"].set_rate("1gbit")
+        for side in (send, recv, again):
+            if side is not None:
+                side.kill()
+    assert not failed["ok"] and failed["error"] == "PeerLostError", failed
+    assert "restarted" in failed["message"], failed
+    assert failed_after < 25, failed_after  # the restart, not the 30 s window
+    results = {m["i"]: m for m in lines if "i" in m and "ok" in m}
+    assert results[2]["ok"] and results[3]["ok"], results
+    delivered = [m["i"] for m in got if m.get("kind") == "payload"]
+    assert delivered == [2, 3], got  # the new instance: only what was sent to it, once
+    assert all(m["ok"] for m in got if "ok" in m), f"bytes differ: {got}"
+
+
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize("engine", ["mooncake", "nixl"])
 def test_a_partition_mid_landing_fails_the_send_in_bounded_time_and_heals(
     cluster: Cluster, engine: str

@@ -109,7 +109,7 @@ def check_hello(
     old = known.hello if known is not None else None
     if old is None or (old.instance, old.process_token) == (hello.instance, hello.process_token):
         return None
-    if known is not None and _gone(core, known):
+    if known is not None and _gone(core, known, hello):
         return None
     return "name_in_use", (
         f"a live endpoint {hello.endpoint!r} (pid {old.pid} on {old.hostname or old.host_id}) "
@@ -150,14 +150,19 @@ def peer_infos(core: Core, hello: wire.HelloMessage) -> dict[str, PeerInfo]:
     }
 
 
-def _gone(core: Core, peer: Peer) -> bool:
-    """Whether the instance ``peer`` holds now is gone (so a new one may take the name)."""
+def _gone(core: Core, peer: Peer, hello: wire.HelloMessage) -> bool:
+    """Whether the instance ``peer`` holds now is gone (so ``hello``'s may take the name)."""
     old = peer.hello
     if old is None:
         return True
     if old.host_id == core.host_id and not hostinfo.pid_alive(old.pid):
         return True
-    return peer.down_since is not None  # its connection broke: the restart replaces it
+    if peer.down_since is not None:
+        return True  # its connection broke: the restart replaces it
+    # Our link broke and came back (a resuming session lives on, spec §10.7) to the
+    # address the new instance says it holds: no two processes bind one address, so
+    # the old instance no longer holds it.
+    return peer.relinked and peer.address == hello.address
 
 
 def refuse(core: Core, hello: wire.HelloMessage, code: wire.RefusalCode, detail: str) -> None:

@@ -161,6 +161,8 @@ class PeerTable:
                 down_since = peer.down_since
                 was_down = down_since is not None
                 peer.down_since = None
+                if down_since is not None:
+                    peer.relinked = True
                 if down_since is not None and peer.session.resumption is not None:
                     # the session waited for the link: so did its ACK deadlines
                     downtime = time.monotonic() - down_since
@@ -245,6 +247,7 @@ class PeerTable:
             peer.window = Window(min(hello.window, SEND_WINDOW_MAX))
             peer.rwindow = ReceiveWindow(self.core.config.receive_window)
             peer.ack_timeouts = 0
+            peer.relinked = False
             peer.generation += 1
             peer.status = PeerStatus.CONNECTING
             peer.hello_done = False

@@ -240,6 +240,7 @@ class Peer:
     auth_failure: str = ""
     failed_handshakes: int = 0  # ZMTP handshakes cut short since the last one that succeeded
     reminded_at: float = 0.0  # when we last told it its session had ended (spec §10.7)
+    relinked: bool = False  # our link to it broke and came back since its session began
     # routing
     info: dict[str, PeerInfo] = field(default_factory=dict)
     edge: Edge | None = None
