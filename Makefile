@@ -73,7 +73,7 @@ typecheck: setup
 # they take about two minutes, mostly waiting on pip and the disk, and so does the suite.
 TEST_JOBS ?= 2
 test: engines
-	@mkdir -p build
+	@mkdir -p build && rm -rf build/evidence
 	@echo "== test: lint, typecheck and package beside the suite (log: build/checks.log)"
 	@start=$$(date +%s); \
 	{ $(MAKE) --no-print-directory lint typecheck package >build/checks.log 2>&1; \
@@ -81,6 +81,7 @@ test: engines
 	OMNIWIRE_REQUIRE_ENGINES=1 HYPOTHESIS_PROFILE=ci OMP_NUM_THREADS=1 \
 		$(BIN)/python -m pytest -n $(TEST_JOBS) --dist loadfile --durations=25; suite=$$?; \
 	echo "== test: the suite took $$(( $$(date +%s) - start )) s (exit $$suite)"; \
+	for f in build/evidence/*; do [ -f "$$f" ] && { echo "== evidence: $$f"; cat "$$f"; }; done; \
 	wait; checks=$$(cat build/checks.rc); grep -v "is ignored: it is neither" build/checks.log; \
 	echo "== test: lint, typecheck, package: exit $$checks; $$(( $$(date +%s) - start )) s in all"; \
 	[ $$suite = 0 ] && [ $$checks = 0 ]

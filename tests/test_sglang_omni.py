@@ -344,7 +344,12 @@ def run_example(*args: str) -> dict[str, object]:
         timeout=400,
     )
     assert out.returncode == 0, out.stderr[-4000:]
-    print(out.stdout)  # CI's log shows both runs' results
+    print(out.stdout)
+    # `make test` prints build/evidence/ after the suite: CI's log shows both runs
+    evidence = Path(__file__).resolve().parents[1] / "build" / "evidence"
+    evidence.mkdir(parents=True, exist_ok=True)
+    with (evidence / "sglang-omni-toy-pipeline.txt").open("a") as f:
+        f.write(f"$ {EXAMPLE.name} {' '.join(args)}\n{out.stdout.strip()}\n")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
