@@ -240,23 +240,28 @@ class Outbox:
         resumption = peer.session.resumption
         if resumption is None or self._closed or not resumption.retained:
             return 0
-        frames = [frame for _, frame in resumption.retained]
+        # numbered frames still in the backlog are retained ones: they go in this order
+        numbered = {id(frame) for _, frame in resumption.retained}
         if rekey:
-            frames = [_readdressed(frame, resumption.peer_token) for frame in frames]
             resumption.retained = deque(
-                zip((s for s, _ in resumption.retained), frames, strict=True)
+                (seq, _readdressed(frame, resumption.peer_token))
+                for seq, frame in resumption.retained
             )
         queue = self._queues.get(peer.name)
         if queue is None:
             queue = self._queues[peer.name] = _Queue(peer)
-        else:  # numbered frames waiting in the backlog are among the retained ones
-            queue.backlog = deque(item for item in queue.backlog if not _is_numbered(item[0]))
-            queue.backlog_bytes = sum(len(f) for f, _ in queue.backlog)
-        for frame in frames:
-            self._send(queue, frame)
+        else:
+            queue.backlog = deque(item for item in queue.backlog if id(item[0]) not in numbered)
+            queue.backlog_bytes = sum(len(frame) for frame, _ in queue.backlog)
+        try:
+            for _, frame in resumption.retained:
+                self._send(queue, frame)
+        except OmniwireError as exc:  # its ring broke
+            self._broken(peer.name, exc)
+            return 0
         if not queue.backlog and not queue.messages:
             self._done(queue)
-        return len(frames)
+        return len(resumption.retained)
 
     def ack(self, peer: Peer) -> None:
         """Tell ``peer`` how far its numbered frames were applied here (spec §10.7), in a
@@ -269,7 +274,7 @@ class Outbox:
         frame = wire.encode(
             wire.BatchMessage(
                 messages=(),
-                from_stage=self._control_name(peer),
+                from_stage=peer.session.local_name,
                 session=resumption.peer_token,
                 ack=resumption.received,
             ),
@@ -284,10 +289,6 @@ class Outbox:
             return
         if not queue.backlog and not queue.messages:
             self._done(queue)
-
-    @staticmethod
-    def _control_name(peer: Peer) -> str:
-        return peer.session.local_name
 
     def close(self) -> None:
         """The endpoint closes: what was not sent by now is dropped; nothing new is queued."""
@@ -513,15 +514,6 @@ def _numbered(peer: Peer, run: tuple[wire.BatchedMessage, ...]) -> bytes:
     seq, _ = resumption.number()
     resumption.retain(seq, frame)
     return frame
-
-
-def _is_numbered(frame: bytes) -> bool:
-    """Whether ``frame`` (one we encoded) is a numbered BatchMessage."""
-    try:
-        msg = wire.decode(frame)
-    except WireFormatError:
-        return False
-    return isinstance(msg, wire.BatchMessage) and msg.seq != 0
 
 
 def _readdressed(frame: bytes, token: int) -> bytes:
