@@ -21,7 +21,7 @@ from omniwire import packing
 from omniwire.backends.base import BackendContext, Export, Locality, PeerInfo
 from omniwire.backends.mooncake import _blobs as blobs
 from omniwire.endpoint import Endpoint
-from omniwire.errors import BackendError
+from omniwire.errors import BackendError, OmniwireError
 from omniwire.testing import require_backend
 
 pytestmark = pytest.mark.engine
@@ -641,3 +641,37 @@ async def test_landings_lent_to_peers_that_churn_come_back_and_memory_stays_boun
     assert most <= peers * size, most
     assert detail["landings_returned"] >= names - peers, detail
     assert detail["landings_quarantined"] == 0, detail  # quarantine 0: unmapped
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("engine", ENGINES)
+async def test_a_landed_send_to_a_peer_that_ended_the_session_never_waits_successfully(
+    engine: str,
+) -> None:
+    """The receiver ended its session with the sender (a loss only it noticed: the
+    sender was stopped, say) and has been silent since; the sender's next object
+    still lands (NIXL writes into the quarantined landing) and its announce reaches a
+    receiver with no session for it. Its ``wait()`` must not report success: a landed
+    object's receipt completes once the receiver is known to have its announce —
+    at once while the receiver is heard from, after its ack otherwise (spec §10.7).
+    (Was: ``wait()`` returned, and ``settled()`` said "unknown".)"""
+    async with _endpoints(engine, zero_copy=True) as (a, b):
+        with anyio.fail_after(40):
+            first = await a.send(b.name, {"x": torch.ones(1 << 16)}, request_id="r0")
+            await first.wait()
+            (await b.receive()).release()
+            assert await first.settled() == "delivered"
+            peer = b._peers.get(a.name)  # a loss only the receiver notices
+            assert peer is not None
+            b._peers.lose(peer, "a loss only the receiver noticed (test)")
+            await anyio.sleep(1.5)  # and nothing of it reaches the sender since
+            receipt = await a.send(b.name, {"x": torch.ones(1 << 16)}, request_id="r1")
+            try:
+                await receipt.wait(timeout=30)
+            except OmniwireError:
+                assert receipt.outcome != "delivered"
+            else:  # a success must be a delivery
+                d = await b.receive(timeout=10)
+                assert d.request_id == "r1"
+                d.release()
+                assert await receipt.settled(timeout=10) == "delivered"

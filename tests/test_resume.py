@@ -160,3 +160,27 @@ async def test_a_peer_still_numbering_frames_of_a_session_we_ended_is_told_at_on
             assert torch.equal(d.payload["x"], big)
             d.release()
             await again.wait(timeout=10)
+
+
+def test_a_callback_waits_for_the_ack_of_its_frame_and_none_outlives_the_session() -> None:
+    r = wire.Resumption(token=1, peer_token=2)
+    called: list[int] = []
+    for _ in range(3):
+        seq, _ack = r.number()
+        r.retain(seq, b"x")
+    r.when_acked(2, lambda: called.append(2))
+    r.when_acked(3, lambda: called.append(3))
+    r.on_ack(1)
+    assert called == []
+    r.on_ack(2)
+    assert called == [2]
+    r.when_acked(1, lambda: called.append(1))  # already acknowledged: at once
+    assert called == [2, 1]
+    s: wire.Session[wire.OutboundObject, wire.InboundObject] = wire.Session(
+        local_name="b", peer_name="a", resumes=True
+    )
+    s.on_hello(_hello("a"))
+    assert s.resumption is not None
+    s.resumption.when_acked(1, lambda: called.append(99))
+    s.reset()  # the session ends: the callback is dropped with it
+    assert 99 not in called

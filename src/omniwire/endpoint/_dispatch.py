@@ -36,7 +36,7 @@ from ..ring import RingError, RingReader
 from ._core import Core, State
 from ._peers import PeerTable
 from ._receiver import Receiver
-from ._records import Peer
+from ._records import QUIET, Peer
 from ._sender import Sender
 
 __all__ = ["Dispatcher"]
@@ -74,6 +74,7 @@ class Dispatcher:
         self.sender = sender
         self.receiver = receiver
         self.applied = 0  # messages applied since the control loop's last turn
+        self._after_quiet = False  # the frame being applied came after a quiet spell
         self._turn_started = time.monotonic()
         self.name = core.name
 
@@ -265,7 +266,7 @@ class Dispatcher:
                     takeable.append(peer)
         if resumed is not None:
             resumption = resumed.session.resumption
-            if resumption is not None and resumption.ack_due(ACK_FRAMES):
+            if resumption is not None and (self._after_quiet or resumption.ack_due(ACK_FRAMES)):
                 core.outbox.ack(resumed)
         return takeable
 
@@ -293,6 +294,11 @@ class Dispatcher:
         if not resumption.accept(msg.session, msg.seq):
             core.counters["frames_duplicate"] += 1
             return None
+        now = time.monotonic()
+        # the first frame after a quiet spell is acked at once: its sender may wait for
+        # that ack to complete a landed object's receipt (``QUIET``)
+        self._after_quiet = msg.seq != 0 and now - peer.heard_at >= QUIET / 2
+        peer.heard_at = now
         if msg.ack:
             try:
                 resumption.on_ack(msg.ack)

@@ -263,6 +263,27 @@ class Outbox:
             self._done(queue)
         return len(resumption.retained)
 
+    def numbered_through(self, peer: Peer) -> int:
+        """Number (and send) what is queued to ``peer`` now; the number of the last frame
+        of the session so far, so of the frame that holds what was posted last (spec
+        §10.7). 0 when the session numbers nothing."""
+        resumption = peer.session.resumption
+        if resumption is None:
+            return 0
+        queue = self._queues.get(peer.name)
+        if queue is not None and queue.messages:
+            messages, queue.messages = queue.messages, []
+            sizes, queue.sizes = queue.sizes, []
+            queue.message_bytes = 0
+            try:
+                self._send_all(queue, messages, sizes)
+            except OmniwireError as exc:  # its ring broke, or a frame cannot be made
+                self._broken(peer.name, exc)
+                return 0
+            if not queue.backlog:
+                self._done(queue)
+        return resumption.next_seq - 1
+
     def ack(self, peer: Peer) -> None:
         """Tell ``peer`` how far its numbered frames were applied here (spec §10.7), in a
         frame of its own unless messages to it are queued (their frames carry it)."""

@@ -235,6 +235,7 @@ class PeerTable:
                 peer.held_hello = hello  # applied by tick() once the interval is over
                 return
             peer.held_hello = None
+        peer.heard_at = time.monotonic()  # a Hello is word from it too (``QUIET``)
         before = peer.hello
         resumption = peer.session.resumption
         old_token = resumption.peer_token if resumption is not None else 0

@@ -53,6 +53,13 @@ class PeerStatus(enum.Enum):
 READY = PeerStatus.READY
 
 
+#: Seconds without a numbered frame from a resuming peer after which it may have ended
+#: its side of the session unseen (a loss it noticed and we did not): a landed object's
+#: receipt then completes only once the peer acknowledged its announce, and the peer,
+#: hearing from us after as long, acknowledges at once (spec §10.7).
+QUIET = 1.0
+
+
 @dataclass(eq=False, kw_only=True)
 class OutRecord(wire.OutboundObject):
     """One object this endpoint announced (or is about to announce) to a peer.
@@ -241,6 +248,7 @@ class Peer:
     failed_handshakes: int = 0  # ZMTP handshakes cut short since the last one that succeeded
     reminded_at: float = 0.0  # when we last told it its session had ended (spec §10.7)
     relinked: bool = False  # our link to it broke and came back since its session began
+    heard_at: float = 0.0  # when its last numbered frame (or ack) was applied here
     # routing
     info: dict[str, PeerInfo] = field(default_factory=dict)
     edge: Edge | None = None

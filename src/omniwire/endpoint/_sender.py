@@ -36,7 +36,7 @@ from ._holds import Holds
 from ._inline import Kind, carried_inline, fit, inline_message, payload_info, unaccount
 from ._ledger import Ledger
 from ._peers import PeerTable
-from ._records import READY, OutRecord, Peer, PeerStatus, SharedExport
+from ._records import QUIET, READY, OutRecord, Peer, PeerStatus, SharedExport
 from ._routebook import RouteBook
 from ._stats import RouteStats
 
@@ -439,12 +439,32 @@ class Sender:
         backend.note_sent(nbytes)
         stats.nbytes += nbytes
         if landed:
-            record.receipt.land()
-            if record.receipt.latency is not None:
-                stats.latencies.append(record.receipt.latency)
+            self._land(peer, record, stats)
         if len(points) > 1:
             await self._publish_rest(peer, record, enc.tensors, layout, points)
         return record.receipt
+
+    def _land(self, peer: Peer, record: OutRecord, stats: RouteStats) -> None:
+        """An object written into the peer's landing and announced: its receipt completes
+        now (its bytes are in the peer's memory, its announce goes until the peer has
+        it) — unless the peer has been quiet for ``QUIET``: it may have ended the session
+        unseen, and would drop the announce; then once it acknowledged the announce's
+        frame (spec §10.7). A session that ends first fails the object as lost."""
+        resumption = peer.session.resumption
+        receipt = record.receipt
+        if resumption is not None and time.monotonic() - peer.heard_at >= QUIET:
+            seq = self.core.outbox.numbered_through(peer)
+            self.core.counters["landings_confirmed"] += 1
+
+            def confirmed() -> None:
+                if not receipt.done():
+                    receipt.land()
+
+            resumption.when_acked(seq, confirmed)
+            return
+        receipt.land()
+        if receipt.latency is not None:
+            stats.latencies.append(receipt.latency)
 
     async def _publish_rest(
         self,

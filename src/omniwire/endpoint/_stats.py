@@ -56,6 +56,7 @@ COUNTERS: Mapping[str, str] = MappingProxyType(
         "frames_stale": "numbered frames of a session that is not the peer's current one, dropped",
         "sessions_resumed": "peers whose connection broke and came back within `resume_window`",
         "peers_reminded": "Hellos sent to a peer still numbering frames of a session we ended",
+        "landings_confirmed": "landed objects to a peer quiet for a second: receipt at its ack",
         "decode_errors": "frames (or headers) that could not be decoded",
         "protocol_errors": "messages that break the protocol (logged; the frame is dropped)",
         "version_refused": "Hellos refused: no wire version in common",

@@ -35,7 +35,7 @@ from __future__ import annotations
 import enum
 import secrets
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
@@ -146,6 +146,7 @@ class Resumption:
         "retained",
         "retained_bytes",
         "token",
+        "waiters",
     )
 
     def __init__(self, token: int, peer_token: int) -> None:
@@ -157,6 +158,9 @@ class Resumption:
         self.retained_bytes = 0
         self.received = 0  # the highest number of the peer's frames applied, in order
         self.ack_sent = 0  # the last ``received`` we told the peer
+        #: (number, callback): called once the peer acknowledged that frame; at most
+        #: one per object in flight (the sender's credits bound them)
+        self.waiters: deque[tuple[int, Callable[[], None]]] = deque()
 
     def number(self) -> tuple[int, int]:
         """The number of the frame we are about to send and the ack it carries."""
@@ -185,6 +189,17 @@ class Resumption:
         retained = self.retained
         while retained and retained[0][0] <= ack:
             self.retained_bytes -= len(retained.popleft()[1])
+        waiters = self.waiters
+        while waiters and waiters[0][0] <= ack:
+            waiters.popleft()[1]()
+
+    def when_acked(self, seq: int, callback: Callable[[], None]) -> None:
+        """Call ``callback`` once the peer acknowledged frame ``seq`` (at once if it has);
+        never if the session ends first."""
+        if seq <= self.acked:
+            callback()
+        else:
+            self.waiters.append((seq, callback))
 
     def accept(self, token: int, seq: int) -> bool:
         """Whether to apply a frame of the peer's numbered ``seq`` for session ``token``
