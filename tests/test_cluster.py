@@ -375,6 +375,9 @@ def test_a_partition_mid_landing_fails_the_send_in_bounded_time_and_heals(
     try:
         first = send.expect(lambda m: m.get("i") == 0, 30)
         assert first["ok"] and first["outcome"] == "landed", first
+        # its announce reached the receiver (a landed receipt completes at the write:
+        # on a busy machine the announce was still on its way when the link went down)
+        recv.expect(lambda m: m.get("i") == 0, 30)
         sender.link_down()  # object 1's write is on the wire
         down = time.monotonic()
         failed = send.expect(lambda m: m.get("ok") is False, PEER_TIMEOUT + 30)

@@ -271,17 +271,8 @@ class Outbox:
         if resumption is None:
             return 0
         queue = self._queues.get(peer.name)
-        if queue is not None and queue.messages:
-            messages, queue.messages = queue.messages, []
-            sizes, queue.sizes = queue.sizes, []
-            queue.message_bytes = 0
-            try:
-                self._send_all(queue, messages, sizes)
-            except OmniwireError as exc:  # its ring broke, or a frame cannot be made
-                self._broken(peer.name, exc)
-                return 0
-            if not queue.backlog:
-                self._done(queue)
+        if queue is not None and queue.messages and not self._flush_queue(queue):
+            return 0
         return resumption.next_seq - 1
 
     def ack(self, peer: Peer) -> None:
@@ -366,18 +357,23 @@ class Outbox:
         self._scheduled = False
         dirty, self._dirty = self._dirty, []
         for queue in dirty:
-            if self._queues.get(queue.peer.name) is not queue or not queue.messages:
-                continue
-            messages, queue.messages = queue.messages, []
-            sizes, queue.sizes = queue.sizes, []
-            queue.message_bytes = 0
-            try:
-                self._send_all(queue, messages, sizes)
-            except OmniwireError as exc:  # its ring broke, or a frame cannot be made
-                self._broken(queue.peer.name, exc)
-                continue
-            if not queue.backlog:
-                self._done(queue)
+            if self._queues.get(queue.peer.name) is queue and queue.messages:
+                self._flush_queue(queue)
+
+    def _flush_queue(self, queue: _Queue) -> bool:
+        """Send the messages queued to one peer as frames; False if its channel broke
+        (it is declared lost)."""
+        messages, queue.messages = queue.messages, []
+        sizes, queue.sizes = queue.sizes, []
+        queue.message_bytes = 0
+        try:
+            self._send_all(queue, messages, sizes)
+        except OmniwireError as exc:  # its ring broke, or a frame cannot be made
+            self._broken(queue.peer.name, exc)
+            return False
+        if not queue.backlog:
+            self._done(queue)
+        return True
 
     def _send_all(
         self, queue: _Queue, messages: list[wire.Message | _ToRing], sizes: list[int]
