@@ -158,26 +158,7 @@ class PeerTable:
         """Connection events of our PUSH to ``peer``, until it is closed."""
         async for event in self.core.control.events(peer.name):
             if event is PeerEvent.UP:
-                down_since = peer.down_since
-                was_down = down_since is not None
-                peer.down_since = None
-                if down_since is not None:
-                    peer.relinked = True
-                if down_since is not None and peer.session.resumption is not None:
-                    # the session waited for the link: so did its ACK deadlines
-                    downtime = time.monotonic() - down_since
-                    for record in peer.session.outbound.values():
-                        record.deadline += downtime
-                peer.connected = True
-                peer.auth_failure = ""
-                peer.failed_handshakes = 0
-                self.core.outbox.post(peer, hello_of(self.core, peer, reply=False))
-                if peer.ring_writer is None and peer.session.resumption is not None:
-                    # what the dropped connection held is gone: send it again (§10.7)
-                    self.core.counters["frames_resent"] += self.core.outbox.resend(peer)
-                    if was_down:
-                        self.core.counters["sessions_resumed"] += 1
-                self._maybe_ready(peer)
+                self._link_up(peer)
             elif event is PeerEvent.DOWN:
                 if peer.down_since is None:
                     peer.down_since = time.monotonic()
@@ -210,6 +191,28 @@ class PeerTable:
                         "it refused our credentials (every CURVE handshake fails: a "
                         "different auth_key?)",
                     )
+
+    def _link_up(self, peer: Peer) -> None:
+        """Our PUSH to ``peer`` completed a ZeroMQ handshake: say Hello. After a drop, a
+        resuming session goes on (spec §10.7): its ACK deadlines waited with it, and what
+        the dropped connection held is sent again."""
+        down_since, peer.down_since = peer.down_since, None
+        resumption = peer.session.resumption
+        if down_since is not None:
+            peer.relinked = True
+            if resumption is not None:
+                downtime = time.monotonic() - down_since
+                for record in peer.session.outbound.values():
+                    record.deadline += downtime
+        peer.connected = True
+        peer.auth_failure = ""
+        peer.failed_handshakes = 0
+        self.core.outbox.post(peer, hello_of(self.core, peer, reply=False))
+        if resumption is not None and peer.ring_writer is None:
+            self.core.counters["frames_resent"] += self.core.outbox.resend(peer)
+            if down_since is not None:
+                self.core.counters["sessions_resumed"] += 1
+        self._maybe_ready(peer)
 
     def _auth_failed(self, peer: Peer, why: str) -> None:
         """A handshake failed for a reason of keys: tell the waiters, count, log (bounded)."""
