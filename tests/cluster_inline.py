@@ -5,7 +5,8 @@
     python cluster_inline.py send ADDRESS PEER_ADDRESS SECONDS
 
 Both take ``--peer-timeout``, ``--heartbeat`` and ``--resume-window``. ``recv`` prints ``{"address"}``,
-then, after ``SECONDS``, ``{"got": [i or "kind:request_id", …], "counters"}``.
+then, at the sender's last payload (``{"i": -1}``) or after ``SECONDS`` at most,
+``{"got": [i or "kind:request_id", …], "counters"}``.
 ``send`` prints ``{"ready": true}``, sends small tensor-less payloads ``{"i": i}``
 (request ids ``q<i>``), one a millisecond for ``SECONDS``, and then prints ``{"ok":
 [i whose send returned], "failed": [[i, error]], "lost_at": [i sent next after
@@ -21,6 +22,10 @@ import time
 import anyio
 
 from omniwire import Endpoint, OmniwireError
+
+#: The sender's last payload: the receiver stops there (however long the sender took
+#: to start: seconds on a loaded machine).
+DONE = -1
 
 
 def _options(p: argparse.ArgumentParser) -> None:
@@ -38,14 +43,16 @@ async def recv(
     ) as ep:  # fmt: skip
         print(json.dumps({"address": ep.address}), flush=True)
         got: list[int | str] = []
-        with anyio.move_on_after(seconds):
+        with anyio.move_on_after(seconds):  # at most: the sender's last payload ends it
             while True:
                 try:
                     d = await ep.receive(timeout=1)
                 except TimeoutError:
                     continue
-                got.append(d.payload["i"] if d.kind == "payload" else f"{d.kind}:{d.request_id}")
                 d.release()
+                if d.kind == "payload" and d.payload["i"] == DONE:
+                    break
+                got.append(d.payload["i"] if d.kind == "payload" else f"{d.kind}:{d.request_id}")
         counters = {k: v for k, v in ep.counters.items() if v}
         print(json.dumps({"got": got, "counters": counters}), flush=True)
 
@@ -77,6 +84,11 @@ async def send(
                 failed.append((i, type(exc).__name__))
             i += 1
             await anyio.sleep(0.001)
+        try:  # the receiver stops at this one (or at its bound)
+            with anyio.fail_after(30):
+                await ep.send("r", {"i": DONE}, request_id="done")
+        except OmniwireError:
+            pass
         await anyio.sleep(1)
         counters = {k: v for k, v in ep.counters.items() if v}
         print(json.dumps({"ok": ok, "failed": failed, "lost_at": lost_at, "counters": counters}),

@@ -598,7 +598,7 @@ def _inline_partition(
     py = sys.executable
     opts = ["--peer-timeout", "10", "--heartbeat", "0.3"]  # ZeroMQ drops a link after 0.9 s
     opts += ["--resume-window", str(resume_window)]
-    recv = receiver.popen([py, str(INLINE), "recv", f"tcp://{receiver.ip}:0", "14", *opts],
+    recv = receiver.popen([py, str(INLINE), "recv", f"tcp://{receiver.ip}:0", "60", *opts],
                           stdout=subprocess.PIPE, text=True, env=clean_env())  # fmt: skip
     send: subprocess.Popen[str] | None = None
     try:
