@@ -380,13 +380,17 @@ class _Read:
 
     def release(self, done: bool) -> None:
         """Release the transfer; StuckRead if it did not finish and NIXL could not
-        cancel it (it may still land)."""
+        cancel it, or if it was abandoned still in progress: over UCX's TCP transport
+        a READ released in progress still wrote its bytes once the link came back
+        (into a receive block given to the next object meanwhile), so it may land."""
         try:
             self.agent.release(self.transfer)
         except BackendError as exc:
             log.warning("%s: releasing it failed: %s", self.what, exc)
             if not done:
                 raise StuckRead(f"{self.what} could not be cancelled: {exc}") from exc
+        if not done and self.state == "PROC":
+            raise StuckRead(f"{self.what} was abandoned in progress: it may still land")
 
 
 def read(
