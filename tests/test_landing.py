@@ -9,6 +9,8 @@ from __future__ import annotations
 import ctypes
 import os
 import secrets
+import threading
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -141,8 +143,9 @@ async def test_no_landing_is_lent_with_landing_size_zero_or_past_landing_peers()
 
 
 class _Engine:
-    """The process's real engine, whose writes fail (``mode="fail"``) or never end
-    (``"stuck"``)."""
+    """The process's real engine, whose writes fail (``mode="fail"``), never end
+    (``"stuck"``), or end once ``let_go`` is set (``"late"``: the engine's TCP transport
+    has lost a write's completion for a minute under load)."""
 
     def __init__(self, mode: str) -> None:
         from omniwire.backends.mooncake._engine import shared_engine
@@ -151,6 +154,7 @@ class _Engine:
         self.session = self.engine.session
         self.mode = mode
         self.writes = 0
+        self.let_go = threading.Event()
 
     def register(self, addr: int, length: int) -> None:
         self.engine.register(addr, length)
@@ -165,10 +169,12 @@ class _Engine:
         self.writes += 1
         if self.mode == "fail":
             raise BackendError("mooncake: cannot submit a write (a test's engine)")
-        return -self.writes  # a batch that never ends
+        return -self.writes  # a batch that never ends (or, "late", ends once let go)
 
     def status(self, batch: int) -> int:
-        return 0 if batch < 0 else self.engine.status(batch)
+        if batch < 0:
+            return 1 if self.mode == "late" and self.let_go.is_set() else 0
+        return self.engine.status(batch)
 
 
 @pytest.mark.asyncio
@@ -195,6 +201,35 @@ async def test_an_abandoned_write_keeps_its_range_out_of_use_also_after_a_reconn
         await a.connect(peer_b)  # the same landing: the same ranges
         assert a._lands["b"] is lands and lands.ranges.allocations == 1
         out.release()
+
+
+@pytest.mark.asyncio
+async def test_a_write_that_stalls_is_given_up_early_and_its_range_comes_back_when_it_ends(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A landing write far past its expected time (seen with mooncake 0.3.13's TCP
+    transport on a loaded machine: every byte acknowledged by TCP, the transfer never
+    reported complete) no longer holds its object for the whole ``timeout``: past the
+    stall bound the object is read instead, and the range comes back once the engine
+    says the write ended (out of use until then: it may still land)."""
+    from omniwire.backends.mooncake import _backend
+
+    monkeypatch.setattr(_backend, "LAND_STALL_S", 0.2)
+    engine = _Engine("late")
+    async with _pair(engine, timeout=30) as (a, b, peer_a, peer_b):
+        data = torch.randint(0, 256, (8192,), dtype=torch.uint8)
+        out = await _packed(a, peer_b, data)
+        started = time.monotonic()
+        assert await a.land(peer_b, out) is None
+        assert time.monotonic() - started < 10  # not the 30 s timeout
+        lands = a._lands["b"]
+        assert lands.ranges.allocations == 1 and not out.released
+        assert a.stats().detail["landing_stalled"] == 1
+        await _read_back(b, peer_a, out, data)  # the object is read instead
+        engine.let_go.set()
+        with anyio.fail_after(10):
+            while lands.ranges.allocations:
+                await anyio.sleep(0.01)
 
 
 @pytest.mark.asyncio

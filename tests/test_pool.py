@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from omniwire.alloc import BuddyAllocator
-from omniwire.backends.completion import Pace
+from omniwire.backends.completion import Pace, TransferStalledError
 from omniwire.backends.pool import Lease, SlotPool
 from omniwire.backends.support import (
     Completions,
@@ -462,6 +462,49 @@ async def test_completions_raise_the_transfers_failure_timeout_or_abandonment() 
         await anyio.to_thread.run_sync(completions.stop)
     with pytest.raises(BackendClosedError):
         await completions.wait(lambda: True, timeout=1, what="after stop")
+
+
+@pytest.mark.asyncio
+async def test_a_transfer_past_its_stall_bound_frees_its_waiter_and_is_watched_to_its_end() -> None:
+    """A waiter that can do without the transfer (a landing write: the object can be read
+    instead) is released at ``stall_after`` with TransferStalledError; the transfer is
+    still watched, and ``ended`` says how it ended: True once the engine says it ended
+    (nothing of it lands later), False if it timed out or was given up (it may)."""
+    completions = Completions("test-completions-stall")
+    finish = threading.Event()
+    try:
+        started = time.monotonic()
+        with pytest.raises(
+            TransferStalledError, match=r"w1 did not finish within 0\.1 s \(it still runs\)"
+        ) as one:
+            await completions.wait(finish.is_set, timeout=30, what="w1", stall_after=0.1)
+        assert 0.1 <= time.monotonic() - started < 5
+        assert isinstance(one.value, TransferTimeoutError)  # what callers already handle
+        assert not one.value.ended.done() and len(completions) == 1  # still watched
+        finish.set()
+        with anyio.fail_after(5):
+            assert await one.value.ended is True
+        assert len(completions) == 0
+        # started through a worker thread, as a cold write is
+        threads = Threads("test-stall-threads", 1)
+        try:
+            with pytest.raises(TransferStalledError) as two:
+                await completions.start_and_wait(
+                    threads, _Stuck, timeout=0.5, what="w2", stall_after=0.1
+                )
+            with anyio.fail_after(5):
+                assert await two.value.ended is False  # timed out: it may still land
+        finally:
+            await anyio.to_thread.run_sync(threads.stop)
+        # without stall_after, nothing changes: the wait ends with the transfer
+        assert await completions.wait(lambda: True, timeout=1, what="w3") is None
+    finally:
+        await anyio.to_thread.run_sync(completions.stop)
+
+
+class _Stuck:
+    def done(self) -> bool:
+        return False
 
 
 @pytest.mark.asyncio

@@ -35,6 +35,7 @@ __all__ = [
     "Pace",
     "Transfer",
     "TransferAbandonedError",
+    "TransferStalledError",
     "TransferTimeoutError",
     "poll_until",
 ]
@@ -49,6 +50,18 @@ POLL_MAX_S = 500e-6
 class TransferTimeoutError(BackendError, TimeoutError):
     """An engine transfer did not complete in time (it may still land later: keep its
     memory out of reuse). What :func:`poll_until` raises on a timeout."""
+
+
+class TransferStalledError(TransferTimeoutError):
+    """A transfer whose waiter gave up on it at its stall bound (``stall_after`` of
+    :meth:`Completions.wait`) while it still runs: it may still land, and it is watched
+    to its end. ``ended`` (on the waiter's loop) becomes True once the engine says it
+    ended, well or not (nothing of it lands later: its memory may be reused), or False
+    if it timed out or was given up after all (keep its memory out of reuse)."""
+
+    def __init__(self, message: str, ended: asyncio.Future[bool]) -> None:
+        super().__init__(message)
+        self.ended = ended
 
 
 class TransferAbandonedError(BackendError):
@@ -163,6 +176,8 @@ class _Watch:
         "nbytes",
         "result",
         "running_at",
+        "stall_at",
+        "stalled",
         "started",
         "timeout",
         "what",
@@ -179,6 +194,7 @@ class _Watch:
         finished: asyncio.Future[None],
         nbytes: int,
         result: Any = None,
+        stalled: asyncio.Future[bool] | None = None,
     ) -> None:
         self.done = done
         self.timeout = timeout
@@ -199,6 +215,11 @@ class _Watch:
         self.due = self.started
         #: the last time ``done()`` said it still runs
         self.running_at: float | None = None
+        #: when its waiter gives up on it (None: never; set when watched, see
+        #: :meth:`Completions.wait`'s ``stall_after``) and, once it did, how it ended
+        #: (``TransferStalledError.ended``, made on the loop beforehand)
+        self.stall_at: float | None = None
+        self.stalled = stalled
 
     def outcome(self, now: float) -> BaseException | bool:
         """False while the transfer runs; True once it ended; else the error it ended
@@ -236,7 +257,24 @@ class _Watch:
 
 
 def _settle(watch: _Watch, outcome: BaseException | bool) -> None:
+    if watch.finished.done():  # its waiter gave up on it (_give_up)
+        return
     _settle_with(watch.future, watch.finished, outcome, watch.result)
+
+
+def _give_up(watch: _Watch, after: float) -> None:
+    """On the loop: the waiter stops waiting for a transfer that still runs."""
+    assert watch.stalled is not None
+    error = TransferStalledError(
+        f"{watch.what} did not finish within {after:.3g} s (it still runs)", watch.stalled
+    )
+    settle(watch.future, watch.finished, False, error)
+
+
+def _ended_late(stalled: asyncio.Future[bool], outcome: BaseException | bool) -> None:
+    """On the loop: how a transfer its waiter gave up on ended at last."""
+    if not stalled.done():
+        stalled.set_result(not isinstance(outcome, (TransferTimeoutError, TransferAbandonedError)))
 
 
 def _settle_with(
@@ -289,6 +327,7 @@ class Completions:
         what: str,
         cancelled: Callable[[], bool] | None = None,
         nbytes: int = 0,
+        stall_after: float | None = None,
     ) -> None:
         """Wait until ``done()`` (called in this object's thread) returns True.
 
@@ -297,7 +336,14 @@ class Completions:
         cancellation of the waiter is raised then. ``nbytes``: the bytes the transfer
         moves (0: unknown), to check it only near its expected end.
 
+        ``stall_after``, for a waiter that can do without the transfer: the wait ends
+        with :class:`TransferStalledError` once the transfer has run that long, while
+        it is still watched to its end (the error's ``ended``). (Not from
+        :class:`Pace`: its bound for a size larger than any seen lately comes from the
+        small transfers' fixed costs, minutes for 24 MiB after a stream of chunks.)
+
         Raises:
+            TransferStalledError: not done within the stall bound (still running).
             TransferTimeoutError: not done within ``timeout`` seconds.
             TransferAbandonedError: ``cancelled()`` turned true.
             BackendClosedError: :meth:`stop` was called.
@@ -306,7 +352,11 @@ class Completions:
         loop = asyncio.get_running_loop()
         future: asyncio.Future[None] = loop.create_future()
         finished: asyncio.Future[None] = loop.create_future()
-        if not self._watch(_Watch(done, timeout, what, cancelled, loop, future, finished, nbytes)):
+        stalled = loop.create_future() if stall_after is not None else None
+        watch = _Watch(
+            done, timeout, what, cancelled, loop, future, finished, nbytes, None, stalled
+        )
+        if not self._watch(watch, stall_after):
             raise BackendClosedError(f"{self.name} is stopped")
         await until_ended(future, finished)
 
@@ -319,6 +369,7 @@ class Completions:
         what: str,
         cancelled: Callable[[], bool] | None = None,
         nbytes: int = 0,
+        stall_after: float | None = None,
     ) -> S:
         """``start()`` (a blocking call that starts a transfer and returns it: an
         object whose ``done()`` says it ended) in one of ``threads``, then wait for the
@@ -326,7 +377,7 @@ class Completions:
         this object's thread itself, so the event loop wakes once, at the end, instead
         of once when ``start()`` returned and once when the transfer ended.
 
-        Not cancellable, as :meth:`wait`.
+        Not cancellable, as :meth:`wait`; ``stall_after`` as there.
 
         Raises:
             What ``start()`` raises; what :meth:`wait` raises.
@@ -337,6 +388,7 @@ class Completions:
         loop = asyncio.get_running_loop()
         future: asyncio.Future[S] = loop.create_future()
         finished: asyncio.Future[None] = loop.create_future()
+        stalled = loop.create_future() if stall_after is not None else None
 
         def begin() -> None:  # in one of ``threads``
             try:
@@ -346,8 +398,10 @@ class Completions:
                     loop.call_soon_threadsafe(settle, future, finished, False, exc)
                 return
             done = transfer.done
-            watch = _Watch(done, timeout, what, cancelled, loop, future, finished, nbytes, transfer)
-            if self._watch(watch):
+            watch = _Watch(
+                done, timeout, what, cancelled, loop, future, finished, nbytes, transfer, stalled
+            )
+            if self._watch(watch, stall_after):
                 return
             # stopped meanwhile: the transfer runs all the same, so wait for it here
             outcome: BaseException | bool
@@ -362,12 +416,14 @@ class Completions:
         threads.post(begin)
         return await until_ended(future, finished)
 
-    def _watch(self, watch: _Watch) -> bool:
+    def _watch(self, watch: _Watch, stall_after: float | None = None) -> bool:
         """Watch a transfer (from any thread); False (not watched) once stopped."""
         with self._cond:
             if self._stopped:
                 return False
             watch.first_check = watch.started + FIRST_CHECK_SHARE * self._pace.expect(watch.nbytes)
+            if stall_after is not None:
+                watch.stall_at = watch.started + stall_after
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
                 self._thread.start()
@@ -392,6 +448,11 @@ class Completions:
                     continue
                 outcome = w.outcome(now)
                 if outcome is False:
+                    if w.stall_at is not None and now >= w.stall_at:
+                        bound = w.stall_at - w.started
+                        w.stall_at = None  # its waiter goes; the watch stays
+                        with contextlib.suppress(RuntimeError):
+                            w.loop.call_soon_threadsafe(_give_up, w, bound)
                     w.due = w.next_due(time.monotonic())
                     continue
                 ended.append((w, outcome))
@@ -403,6 +464,8 @@ class Completions:
                     hops.mark("engine: transfer ended (completion thread)")
                     with contextlib.suppress(RuntimeError):  # its loop is closed
                         w.loop.call_soon_threadsafe(_settle, w, outcome)
+                        if w.stalled is not None:
+                            w.loop.call_soon_threadsafe(_ended_late, w.stalled, outcome)
                 if self._watches:
                     # a new wait notifies: it is looked at at once, whatever is due
                     delay = min(w.due for w in self._watches) - time.monotonic()

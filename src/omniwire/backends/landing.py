@@ -22,6 +22,7 @@ another peer's landing.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import secrets
 import time
@@ -34,6 +35,7 @@ import torch
 from ..alloc import BuddyAllocator
 from ..errors import BackendError
 from .base import BackendBase, Export, Import, PeerInfo
+from .completion import TransferStalledError
 
 __all__ = [
     "LANDING_PEERS",
@@ -73,13 +75,15 @@ M = TypeVar("M")
 
 def counters() -> dict[str, int]:
     """A backend's landing counters, zero: objects it wrote into a peer's landing,
-    objects peers wrote into its own, objects read instead because no range was free
-    or because the write failed."""
+    objects peers wrote into its own, objects read instead because no range was free,
+    because the write failed, or because it stalled (``landing_stalled``, also counted
+    as failed)."""
     return {
         "landed": 0,
         "landed_in": 0,
         "landing_full": 0,
         "landing_failed": 0,
+        "landing_stalled": 0,
         "landings_returned": 0,
     }
 
@@ -145,7 +149,9 @@ async def land_into(
     into a free range of ``lands`` with ``write``, and return the export naming it
     (``ref(offset)``; the caller releases ``export``); None when no range is free or
     the write failed (the object is then read as before). A failure that ``abandoned`` says may
-    still land keeps its range out of use for good (see :class:`Lands`).
+    still land keeps its range out of use for good (see :class:`Lands`); a write that
+    ``write`` gave up on while it runs (:class:`TransferStalledError`) keeps it until
+    the engine says the write ended.
 
     Counts ``landed``, ``landing_full`` and ``landing_failed`` in ``counters``.
     """
@@ -159,7 +165,19 @@ async def land_into(
         await write([(addr, base + at, length) for at, addr, length in local])
     except BackendError as exc:
         counters["landing_failed"] += 1
-        if abandoned(exc):
+        if isinstance(exc, TransferStalledError):
+            # still running: out of use until the engine says it ended
+            counters["landing_stalled"] += 1
+            log.warning(
+                "%s: %s (read instead; its range is out of use until it ends)", backend.name, exc
+            )
+
+            def ended(late: asyncio.Future[bool]) -> None:
+                if late.result():  # nothing of it lands later
+                    lands.ranges.free(offset)
+
+            exc.ended.add_done_callback(ended)
+        elif abandoned(exc):
             log.warning("%s: %s (read instead; its range stays out of use)", backend.name, exc)
         else:
             lands.ranges.free(offset)

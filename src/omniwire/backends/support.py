@@ -31,6 +31,7 @@ from .base import BackendBase, Export
 from .completion import (
     Completions,
     TransferAbandonedError,
+    TransferStalledError,
     TransferTimeoutError,
     poll_until,
 )
@@ -46,6 +47,7 @@ __all__ = [
     "Releaser",
     "Threads",
     "TransferAbandonedError",
+    "TransferStalledError",
     "TransferTimeoutError",
     "byte_view",
     "check_pieces",

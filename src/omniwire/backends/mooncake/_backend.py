@@ -59,6 +59,15 @@ log = logging.getLogger("omniwire.mooncake")
 #: A session written to successfully this recently takes its next write's submit on
 #: the event loop (see MooncakeBackend._write).
 WARM_S = 1.0
+#: A landing write not done ``LAND_STALL_S`` plus its bytes at ``LAND_STALL_RATE``
+#: after it started (2.5 s for 24 MiB) is given up by its sender, which has the object
+#: read instead; its range stays out of use until the engine says the write ended.
+#: With 0.3.13's tcp transport on 2 overloaded cores, up to one 24 MiB write in two
+#: had every byte acknowledged by TCP and was never reported complete (the engine's io
+#: thread idle): the object waited the whole ``timeout`` (60 s). On a link slower than
+#: the rate the object is read while the write still runs (its bytes go twice).
+LAND_STALL_S = 2.0
+LAND_STALL_RATE = 50e6
 
 INSTALL_HINT = 'pip install "omniwire[mooncake]"'
 APT_HINT = "apt-get install libibverbs1 libnl-3-200 libnl-route-3-200"
@@ -557,7 +566,12 @@ class MooncakeBackend(ByteBackend):
                     hops.mark("engine: submit write (event loop)")
                     batch = submit(engine, session, writes, timeout, write=True)
                     await self._completions.wait(
-                        batch.done, timeout=timeout, what=what, cancelled=lost, nbytes=nbytes
+                        batch.done,
+                        timeout=timeout,
+                        what=what,
+                        cancelled=lost,
+                        nbytes=nbytes,
+                        stall_after=LAND_STALL_S + nbytes / LAND_STALL_RATE,
                     )
                 else:
                     batch = await self._completions.start_and_wait(
@@ -567,6 +581,7 @@ class MooncakeBackend(ByteBackend):
                         what=what,
                         cancelled=lost,
                         nbytes=nbytes,
+                        stall_after=LAND_STALL_S + nbytes / LAND_STALL_RATE,
                     )
         except BaseException:
             self._warm.pop(session, None)
