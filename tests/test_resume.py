@@ -36,9 +36,7 @@ def _hello(name: str, *, resume: bool = True, token: int = 5, **kw: object) -> w
 
 def test_frames_apply_once_in_order_and_acks_release_what_is_retained() -> None:
     r = wire.Resumption(token=11, peer_token=22)
-    for _ in range(3):
-        seq, _ack = r.number()
-        r.retain(seq, b"x" * 10)
+    assert [r.sent(b"x" * 10) for _ in range(3)] == [1, 2, 3]
     assert [s for s, _ in r.retained] == [1, 2, 3] and r.retained_bytes == 30
     r.on_ack(2)
     assert [s for s, _ in r.retained] == [3] and r.retained_bytes == 10
@@ -166,8 +164,7 @@ def test_a_callback_waits_for_the_ack_of_its_frame_and_none_outlives_the_session
     r = wire.Resumption(token=1, peer_token=2)
     called: list[int] = []
     for _ in range(3):
-        seq, _ack = r.number()
-        r.retain(seq, b"x")
+        r.sent(b"x")
     r.when_acked(2, lambda: called.append(2))
     r.when_acked(3, lambda: called.append(3))
     r.on_ack(1)

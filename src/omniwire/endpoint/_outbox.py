@@ -528,8 +528,7 @@ def _numbered(peer: Peer, run: tuple[wire.BatchedMessage, ...]) -> bytes:
         ack=resumption.received,
     )
     frame = wire.encode(msg, version=peer.session.version)
-    seq, _ = resumption.number()
-    resumption.retain(seq, frame)
+    resumption.sent(frame)
     return frame
 
 

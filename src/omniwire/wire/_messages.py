@@ -622,24 +622,30 @@ class BatchMessage(_Base, frozen=True, kw_only=True, tag="batch", tag_field="typ
     ack: int = 0
 
     def __post_init__(self) -> None:
-        alone = self.ack and not self.seq  # an ack alone carries no message
-        least, most = (0, 0) if alone else (1, MAX_BATCH_MESSAGES)
-        if not least <= len(self.messages) <= most:
+        # on every numbered frame, sent and received: the common case (a frame of one
+        # or a few messages, numbers in range) is a handful of comparisons
+        count = len(self.messages)
+        seq, ack = self.seq, self.ack
+        alone = ack and not seq  # an ack alone carries no message
+        if (count == 0) is not bool(alone) or count > MAX_BATCH_MESSAGES:
+            least, most = (0, 0) if alone else (1, MAX_BATCH_MESSAGES)
             raise ValueError(
-                f"BatchMessage carries {len(self.messages)} messages; it must carry "
+                f"BatchMessage carries {count} messages; it must carry "
                 f"{least} to {most}" + (" (an ack alone)" if alone else "")
             )
-        if self.seq or self.ack:
-            _name("BatchMessage.from_stage", self.from_stage)
+        if seq or ack:
             if not 0 < self.session <= U64_MAX:
                 raise ValueError("a numbered BatchMessage or an ack needs a session token")
-            _u64("BatchMessage.seq", self.seq)
-            _u64("BatchMessage.ack", self.ack)
-            for m in self.messages:
-                if m.from_stage != self.from_stage:
+            if not (0 <= seq <= U64_MAX and 0 <= ack <= U64_MAX):
+                _u64("BatchMessage.seq", seq)
+                _u64("BatchMessage.ack", ack)
+            sender = self.from_stage
+            if alone:
+                _name("BatchMessage.from_stage", sender)
+            for m in self.messages:  # each checked its own from_stage as a name
+                if m.from_stage != sender:
                     raise ValueError(
-                        f"BatchMessage from {self.from_stage!r} holds a message from "
-                        f"{m.from_stage!r}"
+                        f"BatchMessage from {sender!r} holds a message from {m.from_stage!r}"
                     )
 
 

@@ -162,16 +162,16 @@ class Resumption:
         #: one per object in flight (the sender's credits bound them)
         self.waiters: deque[tuple[int, Callable[[], None]]] = deque()
 
-    def number(self) -> tuple[int, int]:
-        """The number of the frame we are about to send and the ack it carries."""
+    def sent(self, frame: bytes) -> int:
+        """``frame`` (numbered ``next_seq``, carrying ``received`` as its ack) is sent:
+        retain it until acknowledged; returns its number. (One call, after the frame
+        was made: one that could not be made takes no number.)"""
         seq = self.next_seq
         self.next_seq = seq + 1
         self.ack_sent = self.received
-        return seq, self.received
-
-    def retain(self, seq: int, frame: bytes) -> None:
         self.retained.append((seq, frame))
         self.retained_bytes += len(frame)
+        return seq
 
     def on_ack(self, ack: int) -> None:
         """The peer applied our frames up to ``ack``: forget them.
