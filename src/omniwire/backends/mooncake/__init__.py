@@ -49,7 +49,7 @@ nothing: it copies out of the landing (copy mode) or delivers views of it
 cannot hold now, or a progressive one, is read as below; a write that fails leaves the object for a read, and one that is abandoned
 (timeout, peer lost) keeps its range out of use for as long as the peer's landing
 is the same (a peer that reconnects after a partition keeps it). A write that
-stalls (not done after ``LAND_STALL_S``, 2 s, plus 1 s per 50 MB) leaves
+stalls (not done after ``LAND_STALL_S``, 10 s, plus 1 s per 50 MB) leaves
 the object for a read at once and keeps its range until the engine says it ended.
 
 **Shared references** (``Capabilities.shared_refs``): a reference names the session,

@@ -60,13 +60,16 @@ log = logging.getLogger("omniwire.mooncake")
 #: the event loop (see MooncakeBackend._write).
 WARM_S = 1.0
 #: A landing write not done ``LAND_STALL_S`` plus its bytes at ``LAND_STALL_RATE``
-#: after it started (2.5 s for 24 MiB) is given up by its sender, which has the object
+#: after it started (10.5 s for 24 MiB) is given up by its sender, which has the object
 #: read instead; its range stays out of use until the engine says the write ended.
+#: Longer than the default ``peer_timeout`` (5 s): a write cut by a partition from a
+#: peer without resumption is still abandoned at the loss ("not sent", never
+#: announced); past it, a resuming peer reads the object once the link is back.
 #: With 0.3.13's tcp transport on 2 overloaded cores, up to one 24 MiB write in two
 #: had every byte acknowledged by TCP and was never reported complete (the engine's io
 #: thread idle): the object waited the whole ``timeout`` (60 s). On a link slower than
 #: the rate the object is read while the write still runs (its bytes go twice).
-LAND_STALL_S = 2.0
+LAND_STALL_S = 10.0
 LAND_STALL_RATE = 50e6
 
 INSTALL_HINT = 'pip install "omniwire[mooncake]"'
