@@ -257,7 +257,9 @@ class _Watch:
 
 
 def _settle(watch: _Watch, outcome: BaseException | bool) -> None:
-    if watch.finished.done():  # its waiter gave up on it (_give_up)
+    if watch.finished.done():  # its waiter gave up on it (_give_up, posted before this)
+        assert watch.stalled is not None
+        _ended_late(watch.stalled, outcome)
         return
     _settle_with(watch.future, watch.finished, outcome, watch.result)
 
@@ -464,8 +466,6 @@ class Completions:
                     hops.mark("engine: transfer ended (completion thread)")
                     with contextlib.suppress(RuntimeError):  # its loop is closed
                         w.loop.call_soon_threadsafe(_settle, w, outcome)
-                        if w.stalled is not None:
-                            w.loop.call_soon_threadsafe(_ended_late, w.stalled, outcome)
                 if self._watches:
                     # a new wait notifies: it is looked at at once, whatever is due
                     delay = min(w.due for w in self._watches) - time.monotonic()

@@ -553,6 +553,7 @@ class MooncakeBackend(ByteBackend):
         thread: the transport connects inside its submit call, which blocks while a
         link is down. A worker thread's hop cost ~0.1 ms of a 1 MiB write's ~0.9."""
         timeout = self.timeout + nbytes / 100e6
+        stall = LAND_STALL_S + nbytes / LAND_STALL_RATE
         what = f"mooncake: write of {nbytes} bytes to session {session}"
 
         def lost() -> bool:
@@ -574,7 +575,7 @@ class MooncakeBackend(ByteBackend):
                         what=what,
                         cancelled=lost,
                         nbytes=nbytes,
-                        stall_after=LAND_STALL_S + nbytes / LAND_STALL_RATE,
+                        stall_after=stall,
                     )
                 else:
                     batch = await self._completions.start_and_wait(
@@ -584,7 +585,7 @@ class MooncakeBackend(ByteBackend):
                         what=what,
                         cancelled=lost,
                         nbytes=nbytes,
-                        stall_after=LAND_STALL_S + nbytes / LAND_STALL_RATE,
+                        stall_after=stall,
                     )
         except BaseException:
             self._warm.pop(session, None)
